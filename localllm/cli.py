@@ -1,0 +1,166 @@
+"""Argument parsing and the subcommands. Nothing below this module sees argparse."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from localllm import __version__
+from localllm.errors import LocalLLMError, UsageError
+
+DEFAULT_CTX = 4096
+
+
+def _red(text: str) -> str:
+    if sys.stderr.isatty() and not os.environ.get("NO_COLOR"):
+        return f"\x1b[31m{text}\x1b[0m"
+    return text
+
+
+def _fail(message: str, code: int) -> int:
+    print(_red(f"localllm: error: {message}"), file=sys.stderr)
+    return code
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake as one red line (exit 2), not a usage dump."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be 1 or more")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} must list whole numbers of 1 or more, like 1,4,8")
+    return values
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="path to a .gguf model file")
+    p.add_argument("--ctx", type=_positive_int, default=DEFAULT_CTX, help="context size in tokens (KV cache)")
+    p.add_argument("--threads", type=_nonneg_int, default=0, help="CPU threads (default: physical cores)")
+    p.add_argument("--batch-tokens", type=_positive_int, default=None,
+                   help="step token budget: larger lowers a long prompt's TTFT, smaller keeps "
+                        "other streams' token gaps short (default 256)")
+    p.add_argument("--parallel", type=_positive_int, default=None, help="most sequences run at once (default 16)")
+    p.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all that fit, 0: none)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="localllm", description="Run open-weights language models on your own machine.")
+    parser.add_argument("--version", action="version", version=f"localllm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    run = sub.add_parser("run", help="complete one prompt and stream it to stdout")
+    _add_engine_args(run)
+    run.add_argument("prompt", help="the prompt text, or - to read it from standard input")
+    run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    run.add_argument("--system", default=None, help="system message (with --chat)")
+    run.add_argument("--max-tokens", type=_positive_int, default=256)
+    run.add_argument("--temperature", type=_number, default=0.8)
+    run.add_argument("--top-p", type=_number, default=1.0)
+    run.add_argument("--top-k", type=_nonneg_int, default=0)
+    run.add_argument("--min-p", type=_number, default=0.0)
+    run.add_argument("--repeat-penalty", type=_number, default=1.0)
+    run.add_argument("--seed", type=_nonneg_int, default=None)
+    run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+
+    bench = sub.add_parser("bench", help="measure the in-process engine at several concurrencies")
+    _add_engine_args(bench)
+    bench.add_argument("--concurrency", type=_int_list, default=[1, 4, 8], help="e.g. 1,4,8")
+    bench.add_argument("--prompt-tokens", type=_positive_int, default=128)
+    bench.add_argument("--max-tokens", type=_positive_int, default=128)
+    bench.add_argument("--json", action="store_true", help="print the results as JSON")
+    return parser
+
+
+def _engine_config(args):
+    from localllm.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    sched_kwargs = {}
+    if args.batch_tokens is not None:
+        sched_kwargs["max_num_batched_tokens"] = args.batch_tokens
+    if args.parallel is not None:
+        sched_kwargs["max_num_seqs"] = args.parallel
+    return EngineConfig(
+        model_path=Path(args.model).expanduser(),
+        cache=CacheConfig(n_ctx=args.ctx),
+        scheduler=SchedulerConfig(**sched_kwargs),
+        n_threads=args.threads,
+        n_gpu_layers=args.gpu_layers,
+    )
+
+
+def cmd_run(args) -> int:
+    from localllm.commands.run import run
+    from localllm.engine.request import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repeat_penalty,
+        seed=args.seed, stop=tuple(args.stop),
+    )
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    return run(_engine_config(args), prompt, params, chat=args.chat, system=args.system, as_json=args.json)
+
+
+def cmd_bench(args) -> int:
+    from localllm.commands.bench import bench
+
+    return bench(_engine_config(args), args.concurrency, args.prompt_tokens, args.max_tokens, as_json=args.json)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        handler = {"run": cmd_run, "bench": cmd_bench}[args.command]
+        return handler(args)
+    except LocalLLMError as e:
+        return _fail(str(e), e.exit_code)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Frozen configuration, built once at the edge (CLI, server start-up) and passed down."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from localllm.errors import UsageError
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    ``block_size`` tokens form a block; ``num_blocks`` is derived from the context size so
+    that the BlockManager's count of blocks is exactly the runner's KV capacity.
+    """
+
+    block_size: int = 16
+    # Context (KV cells) the runner allocates; num_blocks = n_ctx // block_size.
+    n_ctx: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise UsageError(f"block size {self.block_size} is not a power of two; use 16 or 32")
+        if self.n_ctx < self.block_size * 2:
+            raise UsageError(f"context {self.n_ctx} is too small; use --ctx 512 or more")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.n_ctx // self.block_size
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching.
+
+    ``max_num_batched_tokens`` is the per-step token budget: the TTFT / TPOT trade-off.
+    A larger budget prefills a long prompt in fewer, longer steps (lower TTFT for it); a
+    smaller one keeps each step short, so streams that are decoding meanwhile see smaller
+    gaps between tokens (lower TPOT for them).
+    """
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise UsageError(f"--parallel {self.max_num_seqs} must be at least 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise UsageError(
+                f"step token budget {self.max_num_batched_tokens} is below the number of "
+                f"parallel sequences {self.max_num_seqs}; raise --batch-tokens"
+            )
+
+
+def physical_cores() -> int:
+    """Physical cores available to this process (hyper-threads do not speed up decode)."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except AttributeError:  # macOS
+        return max(1, (os.cpu_count() or 2) // 2)
+    cores = set()
+    for cpu in cpus:
+        try:
+            topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+            cores.add(((topo / "physical_package_id").read_text().strip(),
+                       (topo / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(("0", str(cpu)))
+    return max(1, len(cores))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: Path
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    n_threads: int = 0  # 0: physical cores
+    n_gpu_layers: int = -1  # -1: every layer that the GPU backend takes; 0: CPU only
+    runner: str = "llamacpp"
+
+    def __post_init__(self) -> None:
+        if self.n_threads < 0:
+            raise UsageError(f"--threads {self.n_threads} must be 0 (auto) or more")
+        if self.scheduler.max_num_batched_tokens > self.cache.n_ctx:
+            raise UsageError(
+                f"step token budget {self.scheduler.max_num_batched_tokens} exceeds the "
+                f"context {self.cache.n_ctx}; lower --batch-tokens"
+            )
+
+    @property
+    def threads(self) -> int:
+        return self.n_threads or physical_cores()

@@ -1,0 +1,1 @@
+"""The engine: one model, many generation streams, one step at a time."""

@@ -1,0 +1,318 @@
+"""LLMEngine (add_request / step / abort / generate) and AsyncEngine (the same in a
+background thread, an asyncio stream per request)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from localllm.config import EngineConfig
+from localllm.engine.block_manager import BlockManager
+from localllm.engine.metrics import EngineStats, RequestMetrics
+from localllm.engine.request import FinishReason, SamplingParams, Sequence
+from localllm.engine.sampler import Sampler
+from localllm.engine.scheduler import Scheduler, SchedulerOutput
+from localllm.errors import LocalLLMError, UsageError
+from localllm.runners.base import ModelRunner
+from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: the new tokens and text, and at the end the
+    finish reason and the request's figures."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    metrics: RequestMetrics | None = None
+
+
+def load_runner(config: EngineConfig) -> ModelRunner:
+    if config.runner == "llamacpp":
+        from localllm.runners.llamacpp import LlamaCppRunner
+
+        return LlamaCppRunner(config)
+    raise UsageError(f"unknown runner {config.runner!r}; use 'llamacpp'")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
+        self.config = config
+        self.runner = runner if runner is not None else load_runner(config)
+        self.tokenizer = Tokenizer(self.runner.vocab)
+        block_size = config.cache.block_size
+        self.block_manager = BlockManager(
+            self.runner.n_ctx // block_size, block_size, self.runner.fingerprint, listener=self.runner
+        )
+        self.max_model_len = self.block_manager.num_blocks * block_size
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.sampler = Sampler()
+        self._seqs: dict[str, Sequence] = {}
+        self._detoks: dict[str, IncrementalDetokenizer] = {}
+        self.num_steps = 0
+        self.num_prompt_tokens_computed = 0
+        self.num_tokens_generated = 0
+
+    # -- requests -----------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Sequence:
+        """Queue a prompt (text, or token ids such as a rendered chat) for generation."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.runner.vocab.n_vocab]
+            if bad:
+                raise UsageError(f"token id {bad[0]!r} is outside the vocabulary of {self.runner.vocab.n_vocab}")
+        if not token_ids:
+            raise UsageError("the prompt is empty; give at least one token of text")
+        if request_id is not None and request_id in self._seqs:
+            raise UsageError(f"request id {request_id!r} is already in use")
+        seq = Sequence(prompt_token_ids=token_ids, params=params, request_id=request_id or "")
+        self.scheduler.add(seq)
+        self._seqs[seq.request_id] = seq
+        self._detoks[seq.request_id] = IncrementalDetokenizer(
+            self.runner.vocab.token_to_piece, params.stop
+        )
+        return seq
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its blocks go back at once. None if it is not known."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        return self._finish(seq, FinishReason.ABORT, RequestOutput(request_id))
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- the step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        logits = self.runner.execute(out)
+        return self._update(out, logits)
+
+    def _update(self, out: SchedulerOutput, logits) -> list[RequestOutput]:
+        now = time.perf_counter()
+        self.num_steps += 1
+        outputs, row = [], 0
+        for sched in out.scheduled:
+            seq, needs_logits = sched.seq, sched.needs_logits
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.num_prompt_tokens_computed += min(sched.num_new_tokens,
+                                                       seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += sched.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if not needs_logits:
+                continue
+            token_id, logprob = self.sampler.sample(seq, logits[row])
+            row += 1
+            outputs.append(self._append_token(seq, token_id, logprob, now))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token_id: int, logprob: float | None, now: float) -> RequestOutput:
+        params = seq.params
+        seq.output_token_ids.append(token_id)
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        self.num_tokens_generated += 1
+        result = RequestOutput(seq.request_id, [token_id], logprobs=[logprob] if logprob is not None else None)
+        detok = self._detoks[seq.request_id]
+        reason = None
+        if (self.tokenizer.is_eog(token_id) and not params.ignore_eos) or token_id in params.stop_token_ids:
+            reason = FinishReason.STOP
+        else:
+            result.text = detok.add(token_id)
+            if detok.stop_matched is not None:
+                reason = FinishReason.STOP
+            elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+                reason = FinishReason.LENGTH
+        if reason is not None:
+            self._finish(seq, reason, result)
+        return result
+
+    def _finish(self, seq: Sequence, reason: FinishReason, result: RequestOutput) -> RequestOutput:
+        detok = self._detoks.pop(seq.request_id)
+        if detok.stop_matched is None and reason is not FinishReason.ABORT:
+            result.text += detok.flush()
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()
+        self.scheduler.finish(seq)
+        self.sampler.free(seq.seq_id)
+        del self._seqs[seq.request_id]
+        result.finished = True
+        result.finish_reason = reason.value
+        result.metrics = RequestMetrics.of(seq)
+        return result
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """End every request with an error (the runner failed); the engine stays usable."""
+        return [self._finish(seq, FinishReason.ERROR, RequestOutput(rid, text=""))
+                for rid, seq in list(self._seqs.items())]
+
+    # -- convenience --------------------------------------------------------------------
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Run prompts to completion together; one merged RequestOutput per prompt, in order."""
+        seqs = [self.add_request(p, params) for p in prompts]
+        merged = {s.request_id: RequestOutput(s.request_id, logprobs=[] if (params and params.logprobs) else None)
+                  for s in seqs}
+        while self.has_unfinished:
+            for o in self.step():
+                m = merged.get(o.request_id)
+                if m is None:
+                    continue
+                m.token_ids += o.token_ids
+                m.text += o.text
+                if m.logprobs is not None and o.logprobs:
+                    m.logprobs += o.logprobs
+                if o.finished:
+                    m.finished, m.finish_reason, m.metrics = True, o.finish_reason, o.metrics
+        return [merged[s.request_id] for s in seqs]
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_blocks_used=bm.num_used_blocks,
+            num_blocks_total=bm.num_blocks,
+            num_blocks_cached=bm.num_cached_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+            num_tokens_generated=self.num_tokens_generated,
+        )
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+class AsyncEngine:
+    """LLMEngine in a background thread. Each request is an async stream of RequestOutputs;
+    ``abort`` may be called from any thread, and leaving a stream early aborts its request."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._next_id = 0
+        self._id_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="localllm-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        if self._stopped:
+            raise LocalLLMError("the engine has shut down; start it again")
+        if request_id is None:
+            with self._id_lock:
+                self._next_id += 1
+                request_id = f"req-{self._next_id}"
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._send(("add", request_id, prompt, params))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def call(self, fn):
+        """Run ``fn(engine)`` on the engine thread; returns a concurrent Future."""
+        from concurrent.futures import Future
+
+        fut: Future = Future()
+        self._send(("call", fn, fut))
+        return fut
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, item)
+            except RuntimeError:  # the caller's loop has closed
+                pass
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            kind = command[0]
+            if kind == "add":
+                _, request_id, prompt, params = command
+                try:
+                    self.engine.add_request(prompt, params, request_id)
+                except Exception as e:  # the caller gets its own error; nothing else is disturbed
+                    self._deliver(request_id, e)
+            elif kind == "abort":
+                out = self.engine.abort(command[1])
+                if out is not None:
+                    self._deliver(out.request_id, out)
+            elif kind == "call":
+                _, fn, fut = command
+                try:
+                    fut.set_result(fn(self.engine))
+                except Exception as e:
+                    fut.set_exception(e)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._wake.clear()  # before draining: a command sent after this sets it again
+            self._drain_commands()
+            if not self.engine.has_unfinished:
+                self._wake.wait(0.5)
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:
+                outputs = self.engine.fail_all(str(e))
+                for o in outputs:
+                    self._deliver(o.request_id, e)
+                continue
+            for o in outputs:
+                self._deliver(o.request_id, o)
+        # Shutting down: in-flight streams end with an error, not a hang.
+        for o in self.engine.fail_all("the engine shut down"):
+            self._deliver(o.request_id, LocalLLMError("the engine shut down before the request finished"))

@@ -1,0 +1,138 @@
+"""A request's sampling parameters and its Sequence: the state of one generation stream."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+from localllm.errors import UsageError
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue; its KV is recomputed on readmission
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens, or the context is full
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # the request could not be served
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token. Validated once here; bad values raise UsageError."""
+
+    max_tokens: int = 256
+    temperature: float = 0.8
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # 1.0: off (llama.cpp / HF style, over prompt + output)
+    frequency_penalty: float = 0.0  # OpenAI style, over the output only
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: object, want: str) -> UsageError:
+            return UsageError(f"{name}={value!r} is invalid: {want}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", self.max_tokens, "use a whole number of 1 or more")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, value, "use a finite number")
+        if self.temperature < 0:
+            raise bad("temperature", self.temperature, "use 0 (greedy) or more")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", self.top_p, "use a number in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", self.min_p, "use a number in [0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", self.top_k, "use 0 (off) or a positive whole number")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", self.repetition_penalty, "use a number above 0")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise bad(name, getattr(self, name), "use a number in [-2, 2]")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise bad("seed", self.seed, "use a whole number of 0 or more")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", self.stop, "stop strings must be non-empty text")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generation stream: prompt tokens, output tokens and where its KV stands.
+
+    ``num_computed_tokens`` tokens have KV in the cache (``num_cached_tokens`` of them came
+    from the prefix cache instead of being computed). ``block_table`` lists the KV blocks
+    holding positions 0, block_size, 2*block_size, ... in order.
+    """
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str = ""
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            self.request_id = f"seq-{self.seq_id}"
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while the step would not yet produce a new token for this sequence."""
+        return self.num_computed_tokens < len(self) - 1

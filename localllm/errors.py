@@ -1,0 +1,43 @@
+"""The one exception family. Every message names the thing, the reason and the fix."""
+
+from __future__ import annotations
+
+
+class LocalLLMError(Exception):
+    """Base of every error localllm raises on purpose.
+
+    ``exit_code`` is what the CLI exits with: 2 for a user mistake (bad usage, bad
+    input), 1 for a runtime failure.
+    """
+
+    exit_code = 1
+
+
+class UsageError(LocalLLMError):
+    """The user asked for something malformed: a nonsense option value, a bad parameter."""
+
+    exit_code = 2
+
+
+class ModelLoadError(LocalLLMError):
+    """A model file is missing, is not GGUF, is truncated, or llama.cpp refused it."""
+
+    exit_code = 2
+
+
+class ContextOverflowError(LocalLLMError):
+    """A request can never fit: its prompt plus max_tokens exceed the context or the KV cache."""
+
+    exit_code = 2
+
+
+class TemplateError(LocalLLMError):
+    """The model's chat template is missing, or threw while rendering (it is untrusted code)."""
+
+    exit_code = 2
+
+
+class EngineError(LocalLLMError):
+    """The engine failed at run time (llama.cpp returned an error, the engine thread died)."""
+
+    exit_code = 1

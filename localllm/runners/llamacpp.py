@@ -1,0 +1,365 @@
+"""The llama.cpp runner, through llama-cpp-python's low-level API. The only module that
+imports llama_cpp.
+
+One context, one unified KV cache, many sequence ids ("slots"). The BlockManager's blocks
+map onto llama.cpp's cells by position: block i of a sequence is its cells at positions
+[i * block_size, (i + 1) * block_size). A block's cells are shared, never copied, by giving
+them more slots (``llama_memory_seq_cp``, zero copy in a unified cache).
+
+Slots are of two kinds. An *active* slot belongs to a running sequence. When a sequence
+ends, its slot becomes a *holder* of its hashed blocks (all other cells are removed), so
+those blocks stay valid for later hits; a holder is one linear chain, like the sequence it
+was. Holders are recycled least recently used first when slots run short; the blocks that
+lose their last slot are reported back so the BlockManager stops offering them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+import llama_cpp as L
+import numpy as np
+
+from localllm.config import EngineConfig
+from localllm.engine.request import Sequence
+from localllm.engine.scheduler import SchedulerOutput
+from localllm.errors import EngineError, ModelLoadError
+
+_GGUF_MAGIC = b"GGUF"
+
+
+@L.llama_log_callback
+def _quiet_log(level, text, user_data):  # llama.cpp's own logging stays off the terminal
+    if os.environ.get("LOCALLLM_LLAMA_LOG") and text:
+        os.write(2, text)
+
+
+_backend_ready = False
+
+
+def _init_backend() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        L.llama_log_set(_quiet_log, ctypes.c_void_p(0))
+        L.llama_backend_init()
+        _backend_ready = True
+
+
+def check_gguf(path: Path) -> None:
+    """Fail with a clear error before llama.cpp sees a file that cannot be a model."""
+    if not path.exists():
+        raise ModelLoadError(f"model file {path} does not exist; pass the path to a .gguf file")
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is not a file; pass the path to a .gguf file")
+    with open(path, "rb") as f:
+        if f.read(4) != _GGUF_MAGIC:
+            raise ModelLoadError(f"{path} is not a GGUF file (bad magic); pass a .gguf model file")
+
+
+class LlamaVocab:
+    """The tokenizer.Vocab protocol over a llama.cpp model's vocabulary."""
+
+    def __init__(self, model):
+        self._vocab = L.llama_model_get_vocab(model)
+        self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
+        bos, eos = L.llama_vocab_bos(self._vocab), L.llama_vocab_eos(self._vocab)
+        self.bos_id = bos if bos >= 0 else None
+        self.eos_id = eos if eos >= 0 else None
+        self.add_bos = bool(L.llama_vocab_get_add_bos(self._vocab))
+        self.bos_text = self._piece(bos, special=True).decode("utf-8", "replace") if bos >= 0 else ""
+        self.eos_text = self._piece(eos, special=True).decode("utf-8", "replace") if eos >= 0 else ""
+        template = L.llama_model_chat_template(model, None)
+        self.chat_template = template.decode("utf-8", "replace") if template else None
+        self._pieces: dict[int, bytes] = {}
+        self._buf = ctypes.create_string_buffer(256)
+
+    def tokenize(self, text: bytes, add_special: bool, parse_special: bool) -> list[int]:
+        n_max = len(text) + 8
+        tokens = (L.llama_token * n_max)()
+        n = L.llama_tokenize(self._vocab, text, len(text), tokens, n_max, add_special, parse_special)
+        if n < 0:  # more tokens than bytes cannot happen, but the API allows asking again
+            n_max = -n
+            tokens = (L.llama_token * n_max)()
+            n = L.llama_tokenize(self._vocab, text, len(text), tokens, n_max, add_special, parse_special)
+        return list(tokens[:n])
+
+    def _piece(self, token_id: int, special: bool) -> bytes:
+        buf = ctypes.create_string_buffer(256)
+        n = L.llama_token_to_piece(self._vocab, token_id, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = L.llama_token_to_piece(self._vocab, token_id, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def token_to_piece(self, token_id: int) -> bytes:
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            if not 0 <= token_id < self.n_vocab:
+                raise ValueError(f"token id {token_id} is outside the vocabulary (0..{self.n_vocab - 1})")
+            piece = self._pieces[token_id] = self._piece(token_id, special=False)
+        return piece
+
+    def is_eog(self, token_id: int) -> bool:
+        return bool(L.llama_vocab_is_eog(self._vocab, token_id))
+
+
+class LlamaCppRunner:
+    name = "llamacpp"
+
+    def __init__(self, config: EngineConfig):
+        _init_backend()
+        path = Path(config.model_path)
+        check_gguf(path)
+        self.block_size = config.cache.block_size
+        self.max_batch = config.scheduler.max_num_batched_tokens
+        mparams = L.llama_model_default_params()
+        gpu = L.llama_supports_gpu_offload()
+        mparams.n_gpu_layers = (999 if config.n_gpu_layers < 0 else config.n_gpu_layers) if gpu else 0
+        self.model = L.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self.model:
+            raise ModelLoadError(
+                f"llama.cpp could not load {path}: the file is truncated, damaged or of an "
+                f"architecture this llama.cpp does not know; download it again"
+            )
+        self.n_swa = L.llama_model_n_swa(self.model)
+        # Slots: the running sequences, plus as many holders of cached prefixes again, twice.
+        self.max_active = config.scheduler.max_num_seqs
+        self.n_slots = min(256, 3 * self.max_active)
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = config.cache.n_ctx
+        cparams.n_batch = cparams.n_ubatch = self.max_batch
+        cparams.n_seq_max = self.n_slots
+        cparams.n_threads = cparams.n_threads_batch = config.threads
+        cparams.kv_unified = True
+        cparams.no_perf = True
+        self.ctx = L.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            L.llama_model_free(self.model)
+            raise ModelLoadError(
+                f"llama.cpp could not create a context of {config.cache.n_ctx} tokens for "
+                f"{path}; lower --ctx"
+            )
+        self.mem = L.llama_get_memory(self.ctx)
+        self.n_ctx = L.llama_n_ctx(self.ctx)
+        self.vocab = LlamaVocab(self.model)
+        self.n_vocab = self.vocab.n_vocab
+        st = path.stat()
+        self.fingerprint = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|llamacpp|f16".encode()
+        self._init_batch()
+        self._free_slots = list(range(self.n_slots - 1, -1, -1))
+        self._active: dict[int, int] = {}  # seq_id -> slot
+        self._holders: OrderedDict[int, list[int]] = OrderedDict()  # slot -> its block ids; LRU first
+        self._owners: dict[int, set[int]] = {}  # block id -> slots holding its cells
+        self._block_index: dict[int, int] = {}  # block id -> its position in its chain
+
+    def _init_batch(self) -> None:
+        """A llama_batch whose arrays are numpy buffers, so a step fills them without a
+        Python loop over tokens."""
+        n = self.max_batch
+        self._tokens = np.zeros(n, dtype=np.int32)
+        self._pos = np.zeros(n, dtype=np.int32)
+        self._n_seq_id = np.ones(n, dtype=np.int32)
+        self._seq_ids = np.zeros(n, dtype=np.int32)
+        self._logits_flags = np.zeros(n, dtype=np.int8)
+        seq_id_ptrs = (ctypes.POINTER(L.llama_seq_id) * n)()
+        base = self._seq_ids.ctypes.data
+        for i in range(n):
+            seq_id_ptrs[i] = ctypes.cast(base + 4 * i, ctypes.POINTER(L.llama_seq_id))
+        self._seq_id_ptrs = seq_id_ptrs
+        batch = L.llama_batch()
+        batch.token = self._tokens.ctypes.data_as(ctypes.POINTER(L.llama_token))
+        batch.embd = None
+        batch.pos = self._pos.ctypes.data_as(ctypes.POINTER(L.llama_pos))
+        batch.n_seq_id = self._n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        batch.seq_id = ctypes.cast(seq_id_ptrs, ctypes.POINTER(ctypes.POINTER(L.llama_seq_id)))
+        batch.logits = self._logits_flags.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._batch = batch
+
+    # -- a step -------------------------------------------------------------------------
+
+    def execute(self, out: SchedulerOutput) -> np.ndarray:
+        n, bs = 0, self.block_size
+        n_out = 0
+        for sched in out.scheduled:
+            seq, k = sched.seq, sched.num_new_tokens
+            slot = self._active[seq.seq_id]
+            start = seq.num_computed_tokens
+            if n + k > self.max_batch:  # llama.cpp aborts the process on an oversized batch
+                raise EngineError(f"step of {n + k} tokens exceeds the batch of {self.max_batch}")
+            if k == 1:
+                self._tokens[n] = seq.token_at(start)
+            elif start + k <= seq.num_prompt_tokens:
+                self._tokens[n:n + k] = seq.prompt_token_ids[start:start + k]
+            else:
+                self._tokens[n:n + k] = seq.token_ids[start:start + k]
+            self._pos[n:n + k] = np.arange(start, start + k, dtype=np.int32)
+            self._seq_ids[n:n + k] = slot
+            self._logits_flags[n:n + k] = 0
+            if sched.needs_logits:
+                self._logits_flags[n + k - 1] = 1
+                n_out += 1
+            for i in range(start // bs, (start + k - 1) // bs + 1):
+                block_id = seq.block_table[i]
+                self._owners.setdefault(block_id, set()).add(slot)
+                self._block_index[block_id] = i
+            n += k
+        if n == 0:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        self._batch.n_tokens = n
+        rc = L.llama_decode(self.ctx, self._batch)
+        if rc != 0:
+            raise EngineError(f"llama_decode failed with code {rc} on a step of {n} tokens")
+        if n_out == 0:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        ptr = L.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
+
+    # -- KV bookkeeping (KVListener) ----------------------------------------------------
+
+    def attach(self, seq: Sequence, num_hit_blocks: int) -> int:
+        slot = self._take_slot()
+        self._active[seq.seq_id] = slot
+        if num_hit_blocks == 0:
+            return 0
+        bs = self.block_size
+        hits = seq.block_table[:num_hit_blocks]
+        if self.n_swa > 0:
+            # Sliding-window layers keep only a window of each slot's cells, and llama.cpp
+            # reuses cells that slid out of it. Take the whole prefix from one slot whose
+            # cells still reach back to the window the next token needs, or take nothing.
+            best, num = None, 0
+            for src in self._owners.get(hits[0], ()):
+                k = 0
+                while k < len(hits) and src in self._owners.get(hits[k], ()):
+                    k += 1
+                if k > num:
+                    best, num = src, k
+            if best is None:
+                return 0
+            pos_min = L.llama_memory_seq_pos_min(self.mem, best)
+            if pos_min < 0 or pos_min > max(0, num * bs - self.n_swa):
+                return 0
+            runs = [(best, 0, num)]
+        else:
+            runs, num = [], 0
+            for i, block_id in enumerate(hits):
+                owners = self._owners.get(block_id)
+                if not owners:
+                    break
+                if runs and runs[-1][0] in owners:
+                    runs[-1] = (runs[-1][0], runs[-1][1], i + 1)
+                else:
+                    runs.append((min(owners), i, i + 1))
+                num = i + 1
+        for src, first, end in runs:
+            L.llama_memory_seq_cp(self.mem, src, slot, first * bs, end * bs)
+            if src in self._holders:
+                self._holders.move_to_end(src)
+        for i, block_id in enumerate(hits[:num]):
+            self._owners[block_id].add(slot)
+            self._block_index[block_id] = i
+        return num
+
+    def release(self, seq: Sequence, kept_block_ids: list[int]) -> list[int]:
+        slot = self._active.pop(seq.seq_id, None)
+        if slot is None:
+            return []
+        bs, kept = self.block_size, set(kept_block_ids)
+        keep_runs: list[list[int]] = []  # [first, end) block ranges that stay
+        for i, block_id in enumerate(seq.block_table):
+            if block_id in kept:
+                if keep_runs and keep_runs[-1][1] == i:
+                    keep_runs[-1][1] = i + 1
+                else:
+                    keep_runs.append([i, i + 1])
+            else:
+                owners = self._owners.get(block_id)
+                if owners is not None:
+                    owners.discard(slot)
+                    if not owners:
+                        del self._owners[block_id]
+        if not keep_runs:
+            L.llama_memory_seq_rm(self.mem, slot, -1, -1)
+            self._free_slots.append(slot)
+            return []
+        # Remove every cell outside the kept runs (gaps, the partial tail, anything after).
+        edge = 0
+        for first, end in keep_runs:
+            if first > edge:
+                L.llama_memory_seq_rm(self.mem, slot, edge * bs, first * bs)
+            edge = end
+        L.llama_memory_seq_rm(self.mem, slot, edge * bs, -1)
+        self._holders[slot] = [b for b in seq.block_table if b in kept]
+        dropped: list[int] = []
+        while len(self._holders) > self.n_slots - self.max_active:
+            dropped += self._drop_holder(next(iter(self._holders)))
+        return dropped
+
+    def evict(self, block_id: int) -> None:
+        i = self._block_index.pop(block_id, None)
+        for slot in self._owners.pop(block_id, ()):
+            L.llama_memory_seq_rm(self.mem, slot, i * self.block_size, (i + 1) * self.block_size)
+            blocks = self._holders.get(slot)
+            if blocks is not None:
+                blocks.remove(block_id)
+                if not blocks:
+                    del self._holders[slot]
+                    L.llama_memory_seq_rm(self.mem, slot, -1, -1)
+                    self._free_slots.append(slot)
+
+    def _take_slot(self) -> int:
+        if not self._free_slots:
+            raise EngineError("no free llama.cpp sequence slot; this is a bug in localllm")
+        return self._free_slots.pop()
+
+    def _drop_holder(self, slot: int) -> list[int]:
+        """Recycle a holder slot; returns the blocks that no slot holds any more."""
+        dropped = []
+        for block_id in self._holders.pop(slot):
+            owners = self._owners[block_id]
+            owners.discard(slot)
+            if not owners:
+                del self._owners[block_id]
+                self._block_index.pop(block_id, None)
+                dropped.append(block_id)
+        L.llama_memory_seq_rm(self.mem, slot, -1, -1)
+        self._free_slots.append(slot)
+        return dropped
+
+    # -- inspection ---------------------------------------------------------------------
+
+    def seq_pos_range(self, seq_id: int) -> tuple[int, int] | None:
+        slot = self._active.get(seq_id)
+        if slot is None:
+            return None
+        lo = L.llama_memory_seq_pos_min(self.mem, slot)
+        hi = L.llama_memory_seq_pos_max(self.mem, slot)
+        return None if lo < 0 else (lo, hi)
+
+    def slot_pos_ranges(self) -> dict[int, tuple[int, int]]:
+        """(min, max) position of every llama.cpp sequence id that holds cells."""
+        ranges = {}
+        for slot in range(self.n_slots):
+            lo = L.llama_memory_seq_pos_min(self.mem, slot)
+            if lo >= 0:
+                ranges[slot] = (lo, L.llama_memory_seq_pos_max(self.mem, slot))
+        return ranges
+
+    @property
+    def num_active_slots(self) -> int:
+        return len(self._active)
+
+    @property
+    def num_holder_slots(self) -> int:
+        return len(self._holders)
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            L.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            L.llama_model_free(self.model)
+            self.model = None

@@ -1,0 +1,432 @@
+"""Tokenize, detokenize as a stream, and render the model's chat template.
+
+The runner hands a ``Vocab`` (the model file's vocabulary); nothing here imports llama_cpp,
+so all of it is tested without a model.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+import secrets
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any, NoReturn, Protocol
+
+from jinja2 import Template
+from jinja2.exceptions import SecurityError, TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from localllm.errors import TemplateError, UsageError
+
+
+class Vocab(Protocol):
+    """What a runner exposes of the model's vocabulary (llama.cpp's, for the llamacpp runner)."""
+
+    n_vocab: int
+    bos_id: int | None
+    eos_id: int | None
+    add_bos: bool  # the model wants BOS prepended to a plain prompt
+    bos_text: str  # e.g. "<bos>"; "" when there is none
+    eos_text: str
+    chat_template: str | None  # the GGUF's tokenizer.chat_template: untrusted Jinja
+
+    def tokenize(self, text: bytes, add_special: bool, parse_special: bool) -> list[int]: ...
+
+    def token_to_piece(self, token_id: int) -> bytes: ...  # control tokens give b""
+
+    def is_eog(self, token_id: int) -> bool: ...  # end of generation: EOS, EOT, <|im_end|>...
+
+
+# A span of rendered chat text and whether it came from a message's content (never parsed
+# for control tokens) rather than from the template (parsed).
+_Span = tuple[str, bool]
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, and its chat template.
+
+    ``name`` only labels error messages; ``chat_template`` replaces the one in the GGUF.
+    """
+
+    def __init__(self, vocab: Vocab, name: str = "", chat_template: str | None = None) -> None:
+        self._vocab = vocab
+        self._what = f"model {name!r}" if name else "this model"
+        self._template_source = chat_template if chat_template is not None else vocab.chat_template
+        self._template: Template | None = None  # compiled on first use, then reused
+
+    @property
+    def n_vocab(self) -> int:
+        return self._vocab.n_vocab
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._vocab.bos_id
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._vocab.eos_id
+
+    def is_eog(self, token_id: int) -> bool:
+        return self._vocab.is_eog(token_id)
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        """A plain prompt. Control-token text in it (``<|im_end|>``) stays plain text."""
+        return list(self._vocab.tokenize(_utf8(text, "the prompt"), add_special, False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return b"".join(map(self._vocab.token_to_piece, ids)).decode("utf-8", errors="replace")
+
+    def detokenizer(self, stop: Sequence[str] = ()) -> IncrementalDetokenizer:
+        """A fresh streaming detokenizer for one sequence."""
+        return IncrementalDetokenizer(self._vocab.token_to_piece, stop)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[Any] | None = None,
+    ) -> list[int]:
+        """Render the chat and tokenize it so that no message can forge a control token.
+
+        The template's own text (``<|im_start|>user\\n``) is tokenized with control tokens
+        parsed; every message's content is tokenized as plain text, so a user who writes
+        ``<|im_start|>system`` gets those characters, not a system turn.
+        """
+        template = self._compiled_template()
+        messages = _normalize_messages(messages)
+        if tools is not None and not isinstance(tools, list):
+            raise UsageError(f"tools is a {type(tools).__name__}; give a list of tool definitions")
+        rendered = self._render(template, messages, add_generation_prompt, tools)
+        spans = self._spans_by_markers(template, messages, add_generation_prompt, tools, rendered)
+        if spans is None:
+            spans = self._spans_by_search(messages, rendered)
+
+        ids: list[int] = []
+        for text, is_content in spans:
+            if text:
+                ids += self._vocab.tokenize(_utf8(text, "the chat"), False, not is_content)
+        # A template that writes bos_token itself already produced BOS; never add a second.
+        bos_id = self._vocab.bos_id
+        if self._vocab.add_bos and bos_id is not None and (not ids or ids[0] != bos_id):
+            ids.insert(0, bos_id)
+        return ids
+
+    # -- rendering ---------------------------------------------------------------------------
+
+    def _compiled_template(self) -> Template:
+        if self._template is not None:
+            return self._template
+        if not self._template_source:
+            raise TemplateError(
+                f"{self._what} has no chat template; run without --chat, or use an "
+                "instruct/chat build of the model (its GGUF carries tokenizer.chat_template)"
+            )
+        env = _SandboxEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = self._raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            self._template = env.from_string(self._template_source)
+        except TemplateSyntaxError as e:
+            raise TemplateError(
+                f"the chat template of {self._what} does not compile (line {e.lineno}: "
+                f"{e.message}); the GGUF's template is broken: use another build of the model"
+            ) from None
+        return self._template
+
+    def _raise_exception(self, message: object) -> NoReturn:
+        raise TemplateError(f"the chat template of {self._what} refused the chat: {message}")
+
+    def _render(
+        self,
+        template: Template,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[Any] | None,
+    ) -> str:
+        try:
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                bos_token=self._vocab.bos_text,
+                eos_token=self._vocab.eos_text,
+            )
+        except TemplateError:
+            raise  # raise_exception(): the template's own words
+        except SecurityError as e:
+            raise TemplateError(
+                f"the chat template of {self._what} tried an unsafe operation and was stopped "
+                f"({e}); do not trust this GGUF's template: use another build of the model"
+            ) from None
+        except Exception as e:  # the template is untrusted code: any failure is its failure
+            raise TemplateError(
+                f"the chat template of {self._what} failed: {type(e).__name__}: {e}; check that "
+                "the messages have the roles and order it expects (often system first, then "
+                "alternating user/assistant), or use another build of the model"
+            ) from None
+
+    # -- splitting the rendered chat into template text and content --------------------------
+
+    def _spans_by_markers(
+        self,
+        template: Template,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[Any] | None,
+        rendered: str,
+    ) -> list[_Span] | None:
+        """Exact split: render again with a random marker in place of each content.
+
+        The markers show where the template put each content; substituting the real contents
+        back must give ``rendered`` exactly, else (the template rewrote content or branched on
+        it) this returns None. Each marker keeps its content's own leading/trailing whitespace,
+        so a template that trims content (Llama 3 does) still splits exactly.
+        """
+        nonce = secrets.token_hex(8)
+        parts: dict[str, tuple[str, str, str]] = {}  # marker -> (lead, core, trail) of a content
+        marked_messages = []
+        for i, message in enumerate(messages):
+            content = message["content"]
+            core = content.strip() if content else ""
+            if not core:  # whitespace cannot hold a control token: nothing to protect
+                marked_messages.append(message)
+                continue
+            start = len(content) - len(content.lstrip())
+            end = start + len(core)
+            marker = f"LOCALLLM{nonce}M{i}E"
+            parts[marker] = (content[:start], core, content[end:])
+            marked_messages.append({**message, "content": content[:start] + marker + content[end:]})
+        if not parts:
+            return [(rendered, False)]
+        try:
+            marked = self._render(template, marked_messages, add_generation_prompt, tools)
+        except TemplateError:
+            return None
+
+        spans: list[_Span] = []
+        pos = 0
+        for match in re.finditer(f"LOCALLLM{nonce}M[0-9]+E", marked):
+            lead, core, trail = parts[match.group()]
+            before, content = marked[pos : match.start()], core
+            if lead and before.endswith(lead):  # the template kept the content's whitespace
+                before, content = before[: -len(lead)], lead + content
+            pos = match.end()
+            if trail and marked.startswith(trail, pos):
+                content, pos = content + trail, pos + len(trail)
+            spans += [(before, False), (content, True)]
+        spans.append((marked[pos:], False))
+        if "".join(text for text, _ in spans) != rendered:
+            return None
+        return spans
+
+    def _spans_by_search(self, messages: list[dict[str, Any]], rendered: str) -> list[_Span]:
+        """Fallback split for a template that rewrites or branches on content.
+
+        Only contents holding control-token text need protecting; each must appear verbatim
+        (or trimmed), in order, and unambiguously, or the chat is refused. Other contents are
+        tokenized with the template text around them.
+        """
+        risky = [
+            (i, m["content"]) for i, m in enumerate(messages)
+            if m["content"] and self._has_control_text(m["content"])
+        ]
+        spans: list[_Span] = []
+        cursor = 0
+        for k, (i, content) in enumerate(risky):
+            needle = content if rendered.find(content, cursor) >= 0 else content.strip()
+            start = rendered.find(needle, cursor)
+            if start < 0:
+                raise TemplateError(
+                    f"the chat template of {self._what} rewrites message {i}'s content, which "
+                    "contains control-token text; to keep it from being read as control tokens "
+                    "localllm refuses the chat: remove that text from the message"
+                )
+            # More occurrences than the remaining contents explain: the template's own text
+            # holds the same string, and there is no telling which one is the message.
+            if rendered.count(needle, cursor) > sum(needle in c for _, c in risky[k:]):
+                raise TemplateError(
+                    f"message {i}'s content contains control-token text that the chat template "
+                    f"of {self._what} also writes itself, and the template changes the message "
+                    "so localllm cannot tell them apart: remove that text from the message"
+                )
+            spans += [(rendered[cursor:start], False), (needle, True)]
+            cursor = start + len(needle)
+        spans.append((rendered[cursor:], False))
+        return spans
+
+    def _has_control_text(self, text: str) -> bool:
+        data = _utf8(text, "the chat")
+        return self._vocab.tokenize(data, False, True) != self._vocab.tokenize(data, False, False)
+
+
+class _SandboxEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, but touching an unsafe attribute fails at once instead of rendering ""."""
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:
+        kind = type(obj).__name__
+        raise SecurityError(f"access to attribute {attribute!r} of {kind!r} is unsafe")
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Hugging Face's tojson: no HTML escaping, non-ASCII kept as is.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _utf8(text: object, what: str) -> bytes:
+    if not isinstance(text, str):
+        raise UsageError(f"{what} is a {type(text).__name__}, not text")
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(
+            f"{what} is not valid Unicode ({e.reason} at character {e.start}); "
+            "send text without lone surrogates"
+        ) from None
+
+
+def _normalize_messages(messages: object) -> list[dict[str, Any]]:
+    """Check the chat's shape; copy each message with its content as one string (or None)."""
+    if not isinstance(messages, list) or not messages:
+        raise UsageError(
+            "messages must be a non-empty list of {'role': ..., 'content': ...} objects"
+        )
+    normalized = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise UsageError(
+                f"message {i} is a {type(message).__name__}; each message must be an object "
+                "with 'role' and 'content'"
+            )
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise UsageError(
+                f"message {i} has no 'role'; give it one, such as 'system', 'user' or 'assistant'"
+            )
+        content = message.get("content")
+        if content is None:
+            if role != "assistant" or not message.get("tool_calls"):
+                raise UsageError(
+                    f"message {i} ({role}) has no 'content'; only an assistant message with "
+                    "tool_calls may leave it out: give it text"
+                )
+        elif isinstance(content, list):
+            content = _join_text_parts(content, i)
+        elif not isinstance(content, str):
+            raise UsageError(
+                f"message {i} content is a {type(content).__name__}; give a string or a list "
+                "of {'type': 'text', 'text': ...} parts"
+            )
+        normalized.append({**message, "content": content})
+    return normalized
+
+
+def _join_text_parts(parts: list[Any], i: int) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise UsageError(
+                f"message {i} content part {j} is {kind!r}; only "
+                "{'type': 'text', 'text': ...} parts are supported"
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise UsageError(f"message {i} content part {j} has no 'text' string; give one")
+        texts.append(text)
+    return "".join(texts)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text that is safe to show, for one sequence.
+
+    It never emits half a UTF-8 character, and it holds back the tail of the text that could
+    be the start of a stop string. With ``stop=("</s>",)``, pieces "Hi", "</", "s>" give
+    "Hi", "", "" and then ``stop_matched == "</s>"``; pieces "Hi", "</", "b>" give "Hi", "",
+    "</b>". Each add() costs O(len(longest stop string)**2 * len(stop)), never O(len(text)).
+    """
+
+    def __init__(self, piece: Callable[[int], bytes], stop: Sequence[str] = ()) -> None:
+        if isinstance(stop, str):
+            stop = (stop,)  # one stop string, not its characters
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise UsageError(
+                    f"stop string {s!r} is invalid; stop strings must be non-empty text"
+                )
+        self._piece = piece
+        self._stops = tuple(dict.fromkeys(stop))
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._held = ""  # decoded, not released: may be the start of a stop string
+        self._released: list[str] = []
+        self.stop_matched: str | None = None
+
+    @property
+    def text(self) -> str:
+        """All text released so far."""
+        return "".join(self._released)
+
+    def add(self, token_id: int) -> str:
+        """Feed one token; return the text newly safe to show (often "")."""
+        if self.stop_matched is not None:
+            return ""
+        return self._push(self._decoder.decode(self._piece(token_id), final=False), final=False)
+
+    def flush(self) -> str:
+        """End of generation without a stop: release everything held back."""
+        if self.stop_matched is not None:
+            return ""
+        return self._push(self._decoder.decode(b"", final=True), final=True)
+
+    def _push(self, new_text: str, final: bool) -> str:
+        # _held never contains a whole stop string, so any match overlaps new_text.
+        window = self._held + new_text
+        match = self._first_stop(window)
+        if match is not None:
+            start, self.stop_matched = match
+            self._held = ""
+            return self._release(window[:start])
+        num_held = 0 if final else self._num_stop_prefix_chars(window)
+        self._held = window[len(window) - num_held :]
+        return self._release(window[: len(window) - num_held])
+
+    def _first_stop(self, window: str) -> tuple[int, str] | None:
+        """The stop string that completes first in the window (then the one starting first):
+        the one a token-by-token stream would have hit first."""
+        best: tuple[int, int, str] | None = None
+        for stop in self._stops:
+            start = window.find(stop)
+            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+                best = (start + len(stop), start, stop)
+        return None if best is None else (best[1], best[2])
+
+    def _num_stop_prefix_chars(self, window: str) -> int:
+        """Length of the longest tail of the window that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self._stops:
+            for n in range(min(len(stop) - 1, len(window)), longest, -1):
+                if window.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def _release(self, text: str) -> str:
+        if text:
+            self._released.append(text)
+        return text
