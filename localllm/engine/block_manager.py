@@ -127,8 +127,8 @@ class BlockManager:
         return num_new
 
     def _allocate_prefix(self, seq: Sequence, max_new_tokens: int) -> int:
-        """Attach a new sequence's cached prefix; returns its number of new tokens, or 0 (with
-        nothing attached) when the blocks for them do not suffice."""
+        """Attach a new sequence's cached prefix; returns its number of new tokens, or 0
+        (changing nothing) when the blocks for them do not suffice."""
         token_ids = seq.token_ids
         hits: list[int] = []
         for h in self.prefix_hashes(token_ids, (len(token_ids) - 1) // self.block_size):
@@ -137,16 +137,19 @@ class BlockManager:
                 break
             hits.append(block_id)
 
-        def room_for(num_hits: int) -> int:
+        def room_for(num_hits: int, num_free: int) -> int:
             num_new = min(len(token_ids) - num_hits * self.block_size, max_new_tokens)
             needed = self.num_blocks_for(num_hits * self.block_size + num_new) - num_hits
-            return num_new if needed <= len(self._free) else 0
+            return num_new if needed <= num_free else 0
 
         # Hit blocks sitting in the free list leave it, so they must not count as free room.
+        num_free_hits = sum(1 for b in hits if self._ref_counts[b] == 0)
+        if room_for(len(hits), len(self._free) - num_free_hits) == 0:
+            return 0
         for block_id in hits:
             self._take(block_id)
         seq.block_table = list(hits)
-        if room_for(len(hits)) and self.listener is not None:
+        if self.listener is not None:
             num_attached = self.listener.attach(seq, len(hits))
             if num_attached < len(hits):  # the storage could not restore them all exactly
                 self._release_blocks(seq.block_table[num_attached:])
@@ -154,8 +157,8 @@ class BlockManager:
         num_hits = len(seq.block_table)
         seq.num_computed_tokens = seq.num_cached_tokens = num_hits * self.block_size
         self._seq_hashes[seq.seq_id] = self.prefix_hashes(token_ids, num_hits)
-        num_new = room_for(num_hits)
-        if num_new == 0:
+        num_new = room_for(num_hits, len(self._free))
+        if num_new == 0:  # fewer hits than hoped, and the extra blocks are not there
             self.free(seq)
             seq.num_computed_tokens = seq.num_cached_tokens = 0
         return num_new
@@ -200,7 +203,8 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix held only by free blocks."""
-        self.uncache([b for b in self._free if self._block_hash[b] is not None])
+        for block_id in self._free:
+            self._evict(block_id)
 
     # -- internals ----------------------------------------------------------------------
 

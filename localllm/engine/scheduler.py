@@ -88,7 +88,10 @@ class Scheduler:
                 out.scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # After a preemption, blocks are short: admit no one new this step (the preempted
+        # sequence would otherwise come straight back and thrash).
+        while (not out.preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             num_new = self.block_manager.allocate(seq, budget)
             if num_new == 0:
