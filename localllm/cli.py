@@ -115,6 +115,8 @@ def _engine_config(args):
     sched_kwargs = {}
     if args.batch_tokens is not None:
         sched_kwargs["max_num_batched_tokens"] = args.batch_tokens
+    elif args.ctx < SchedulerConfig.max_num_batched_tokens:
+        sched_kwargs["max_num_batched_tokens"] = args.ctx  # a small context gets a budget that fits
     if args.parallel is not None:
         sched_kwargs["max_num_seqs"] = args.parallel
     return EngineConfig(
@@ -126,6 +128,21 @@ def _engine_config(args):
     )
 
 
+def _read_stdin() -> str:
+    """Standard input as UTF-8 whatever the locale says; bad bytes are a usage error."""
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:  # stdin replaced by a text stream (tests, embedding)
+        return sys.stdin.read()
+    data = stream.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"standard input is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+            "send the prompt as UTF-8"
+        ) from None
+
+
 def cmd_run(args) -> int:
     from localllm.commands.run import run
     from localllm.engine.request import SamplingParams
@@ -135,7 +152,7 @@ def cmd_run(args) -> int:
         top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repeat_penalty,
         seed=args.seed, stop=tuple(args.stop),
     )
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = _read_stdin() if args.prompt == "-" else args.prompt
     return run(_engine_config(args), prompt, params, chat=args.chat, system=args.system, as_json=args.json)
 
 
@@ -146,6 +163,10 @@ def cmd_bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Model text may hold characters the terminal's encoding lacks: print "?" for them
+    # rather than die with UnicodeEncodeError halfway through a completion.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from localllm.errors import UsageError
 
+MIN_CTX = 128
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -24,8 +26,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise UsageError(f"block size {self.block_size} is not a power of two; use 16 or 32")
-        if self.n_ctx < self.block_size * 2:
-            raise UsageError(f"context {self.n_ctx} is too small; use --ctx 512 or more")
+        if self.n_ctx < MIN_CTX:
+            raise UsageError(f"context {self.n_ctx} is too small; use --ctx {MIN_CTX} or more")
 
     @property
     def num_blocks(self) -> int:

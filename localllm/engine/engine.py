@@ -7,6 +7,7 @@ import asyncio
 import queue
 import threading
 import time
+from pathlib import Path
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -47,7 +48,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
         self.config = config
         self.runner = runner if runner is not None else load_runner(config)
-        self.tokenizer = Tokenizer(self.runner.vocab)
+        self.tokenizer = Tokenizer(self.runner.vocab, name=Path(config.model_path).name)
         block_size = config.cache.block_size
         self.block_manager = BlockManager(
             self.runner.n_ctx // block_size, block_size, self.runner.fingerprint, listener=self.runner
@@ -225,6 +226,8 @@ class AsyncEngine:
             with self._id_lock:
                 self._next_id += 1
                 request_id = f"req-{self._next_id}"
+        elif request_id in self._streams:
+            raise UsageError(f"request id {request_id!r} is already in use; give each request its own id")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._send(("add", request_id, prompt, params))

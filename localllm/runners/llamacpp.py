@@ -119,6 +119,11 @@ class LlamaCppRunner:
         gpu = L.llama_supports_gpu_offload()
         mparams.n_gpu_layers = (999 if config.n_gpu_layers < 0 else config.n_gpu_layers) if gpu else 0
         self.model = L.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self.model and gpu and config.n_gpu_layers < 0:
+            # Every layer did not fit in GPU memory: fall back to the CPU rather than fail.
+            mparams.n_gpu_layers = 0
+            self.model = L.llama_model_load_from_file(str(path).encode(), mparams)
+        self.n_gpu_layers = mparams.n_gpu_layers
         if not self.model:
             raise ModelLoadError(
                 f"llama.cpp could not load {path}: the file is truncated, damaged or of an "
