@@ -47,9 +47,8 @@ def run_concurrency(engine, concurrency: int, prompt_tokens: int, max_tokens: in
     metrics, decode_time, decode_tokens = [], 0.0, 0
     while engine.has_unfinished:
         t = time.perf_counter()
-        out = engine.scheduler.schedule()
-        logits = engine.runner.execute(out)
-        outputs = engine._update(out, logits)
+        outputs = engine.step()
+        out = engine.last_step
         if all(s.num_new_tokens == 1 for s in out.scheduled) and len(out.scheduled) == concurrency:
             decode_time += time.perf_counter() - t
             decode_tokens += len(out.scheduled)

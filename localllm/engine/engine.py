@@ -58,6 +58,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self._seqs: dict[str, Sequence] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
+        self.last_step: SchedulerOutput | None = None  # what the latest step computed
         self.num_steps = 0
         self.num_prompt_tokens_computed = 0
         self.num_tokens_generated = 0
@@ -101,7 +102,7 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
+        out = self.last_step = self.scheduler.schedule()
         logits = self.runner.execute(out)
         return self._update(out, logits)
 
