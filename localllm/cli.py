@@ -97,6 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 
+    serve = sub.add_parser("serve", help="serve an OpenAI-compatible API on 127.0.0.1")
+    serve.add_argument("--model", dest="model", required=True, help="path to a .gguf model file")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=_int_at_least(0), default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    serve.add_argument("--cors-origin", action="append", default=[], help="allow browser calls from ORIGIN (repeatable)")
+    serve.add_argument("--max-queue", type=_int_at_least(0), default=64,
+                       help="requests that may wait beyond --parallel before new ones get a 503")
+    serve.add_argument("--ctx", type=_positive_int, default=DEFAULT_CTX, help="context size in tokens (KV cache)")
+    serve.add_argument("--threads", type=_nonneg_int, default=0, help="CPU threads (default: physical cores)")
+    serve.add_argument("--batch-tokens", type=_positive_int, default=None, help="step token budget (default 256)")
+    serve.add_argument("--parallel", type=_positive_int, default=None, help="most sequences run at once (default 16)")
+    serve.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all, 0: none)")
+
     bench = sub.add_parser("bench", help="measure the in-process engine at several concurrencies")
     _add_engine_args(bench)
     bench.add_argument("--concurrency", type=_int_list, default=[1, 4, 8], help="e.g. 1,4,8")
@@ -159,6 +173,15 @@ def cmd_bench(args) -> int:
     return bench(_engine_config(args), args.concurrency, args.prompt_tokens, args.max_tokens, as_json=args.json)
 
 
+def cmd_serve(args) -> int:
+    from localllm.commands.serve import serve
+    from localllm.config import ServerConfig
+
+    server_config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                                 cors_origins=tuple(args.cors_origin), max_queue=args.max_queue)
+    return serve(_engine_config(args), server_config)
+
+
 def main(argv: list[str] | None = None) -> int:
     # Model text may hold characters the terminal's encoding lacks: print "?" for them
     # rather than die with UnicodeEncodeError halfway through a completion.
@@ -170,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 2
-        handler = {"run": cmd_run, "bench": cmd_bench}[args.command]
+        handler = {"run": cmd_run, "bench": cmd_bench, "serve": cmd_serve}[args.command]
         return handler(args)
     except LocalLLMError as e:
         return _fail(str(e), e.exit_code)

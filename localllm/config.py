@@ -95,3 +95,19 @@ class EngineConfig:
     @property
     def threads(self) -> int:
         return self.n_threads or physical_cores()
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
+    max_queue: int = 64  # requests waiting for a sequence slot before new ones get a 503
+    max_body_bytes: int = 8 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise UsageError(f"--port {self.port} is not a TCP port; use 1-65535 (0 picks a free one)")
+        if self.api_key is not None and not self.api_key.strip():
+            raise UsageError("--api-key is empty; give a key or leave the option out")

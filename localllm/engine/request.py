@@ -42,6 +42,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    # GBNF text every output must match; parsed by the runner when the request is added.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, want: str) -> UsageError:
@@ -71,6 +73,8 @@ class SamplingParams:
             raise bad("seed", self.seed, "use a whole number of 0 or more")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "stop strings must be non-empty text")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise bad("grammar", self.grammar, "give GBNF text with a root rule, or leave it out")
 
     @property
     def is_greedy(self) -> bool:

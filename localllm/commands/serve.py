@@ -1,0 +1,43 @@
+"""`localllm serve`: load the model, start the engine thread, serve OpenAI's API over HTTP."""
+
+from __future__ import annotations
+
+import sys
+
+from localllm.config import EngineConfig, ServerConfig
+
+
+def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    import uvicorn
+
+    from localllm.engine.engine import AsyncEngine, LLMEngine
+    from localllm.server.app import create_app
+
+    engine = AsyncEngine(LLMEngine(engine_config))
+    app = create_app(engine, engine_config.model_path, server_config)
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # End in-flight streams with an error event first, so shutdown never waits on them.
+            engine.shutdown()
+            super().handle_exit(sig, frame)
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                port = next((s.getsockname()[1] for srv in self.servers for s in srv.sockets), server_config.port)
+                base = f"http://{server_config.host}:{port}/v1"
+                model = app.state.server.model_id
+                print(f"localllm serve: {base}  model {model}", file=sys.stderr, flush=True)
+                print(f"Editors: add an OpenAI-compatible provider with base URL {base}, model {model}"
+                      f"{', and your --api-key' if server_config.api_key else ', any API key'}",
+                      file=sys.stderr, flush=True)
+
+    config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level="warning",
+                            timeout_graceful_shutdown=5, access_log=False)
+    try:
+        _Server(config).run()
+    finally:
+        engine.shutdown()
+        engine.engine.close()
+    return 0

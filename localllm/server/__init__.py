@@ -1,0 +1,1 @@
+"""`localllm serve`: the OpenAI-compatible HTTP door (FastAPI + uvicorn)."""

@@ -1,0 +1,452 @@
+"""The routes of `localllm serve`: OpenAI's chat and completions APIs over the AsyncEngine.
+
+Every request is its own stream in the engine, so clients share each engine step and none
+waits for another to finish. A client that goes away has its request aborted (its blocks
+come back at the next step). Errors always have OpenAI's shape and status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from localllm import __version__
+from localllm.config import ServerConfig
+from localllm.engine.engine import AsyncEngine, RequestOutput
+from localllm.engine.request import SamplingParams
+from localllm.errors import ContextOverflowError, LocalLLMError, TemplateError, UsageError
+from localllm.server import protocol as P
+from localllm.server.metrics import ServerMetrics
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+
+def error_json(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    body = P.ErrorResponse(error=P.ErrorBody(message=message, type=type_, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def sse(obj) -> str:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+@dataclass
+class _Choice:
+    """One generation stream of a request, as it accumulates."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    metrics: object = None
+
+
+class Server:
+    def __init__(self, engine: AsyncEngine, model_path: Path, config: ServerConfig):
+        self.engine = engine
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.max_num_seqs = engine.engine.config.scheduler.max_num_seqs
+        self.config = config
+        self.model_id = Path(model_path).stem
+        self.model_names = {self.model_id, Path(model_path).name}
+        self.metrics = ServerMetrics()
+        self.num_in_flight = 0
+
+    # -- admission ------------------------------------------------------------------------
+
+    def check_model(self, name: str) -> None:
+        if name not in self.model_names:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}' "
+                                f"(see GET /v1/models)", param="model", code="model_not_found")
+
+    def check_capacity(self, n: int) -> None:
+        if self.num_in_flight + n > self.max_num_seqs + self.config.max_queue:
+            raise APIError(503, f"the server is busy: {self.num_in_flight} requests in flight; retry shortly",
+                           type_="server_error", code="server_busy", headers={"Retry-After": "1"})
+
+    def max_tokens_for(self, num_prompt: int, asked: int | None) -> int:
+        room = self.max_model_len - num_prompt
+        if asked is None:
+            asked = room
+        if room < 1 or num_prompt + asked > self.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {num_prompt + asked} tokens ({num_prompt} in the prompt, {asked} for the "
+                f"completion). Please reduce the length of the prompt or the completion.",
+                param="messages", code="context_length_exceeded")
+        return asked
+
+    def sampling_params(self, req: P._Sampling, max_tokens: int, seed: int | None, logprobs: bool) -> SamplingParams:
+        kwargs = dict(max_tokens=max_tokens, stop=req.stop_list(), seed=seed, logprobs=logprobs)
+        for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
+                             ("min_p", "min_p"), ("repetition_penalty", "repeat_penalty"),
+                             ("frequency_penalty", "frequency_penalty"), ("presence_penalty", "presence_penalty")):
+            value = getattr(req, theirs)
+            if value is not None:
+                kwargs[ours] = value
+        if req.temperature is None:
+            kwargs["temperature"] = 1.0  # OpenAI's default
+        try:
+            return SamplingParams(**kwargs)
+        except UsageError as e:
+            raise APIError(400, str(e)) from None
+
+    # -- generation -----------------------------------------------------------------------
+
+    async def _run_choices(self, prompt_ids: list[int], params: list[SamplingParams]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Stream (choice index, output) for n choices of one prompt. The first choice runs
+        alone until its prompt is computed, so the others find its KV blocks and share them."""
+        queue: asyncio.Queue = asyncio.Queue()
+        prefilled = asyncio.Event()
+        done = object()
+
+        async def run(index: int) -> None:
+            try:
+                if index > 0:
+                    await prefilled.wait()
+                async for out in self.engine.generate(prompt_ids, params[index]):
+                    prefilled.set()
+                    await queue.put((index, out))
+            except BaseException as e:  # delivered to the consumer, which re-raises it
+                prefilled.set()
+                await queue.put((index, e))
+            finally:
+                await queue.put((index, done))
+
+        self.num_in_flight += len(params)
+        tasks = [asyncio.create_task(run(i)) for i in range(len(params))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            self.num_in_flight -= len(params)
+            for t in tasks:
+                t.cancel()  # a client that left: each stream's exit aborts its request
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _collect(self, request: Request, prompt_ids: list[int], params: list[SamplingParams]) -> list[_Choice]:
+        choices = [_Choice(i) for i in range(len(params))]
+
+        async def consume() -> None:
+            async for i, out in self._run_choices(prompt_ids, params):
+                self._add(choices[i], out)
+
+        task = asyncio.create_task(consume())
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                raise
+        return choices
+
+    def _add(self, choice: _Choice, out: RequestOutput) -> None:
+        choice.text += out.text
+        choice.token_ids += out.token_ids
+        if out.logprobs:
+            choice.logprobs += out.logprobs
+        if out.finished:
+            choice.finish_reason = out.finish_reason
+            choice.metrics = out.metrics
+            self.metrics.observe(out.metrics)
+
+    def usage(self, num_prompt: int, choices: list[_Choice]) -> P.Usage:
+        completion = sum(len(c.token_ids) for c in choices)
+        cached = choices[0].metrics.num_cached_tokens if choices and choices[0].metrics else 0
+        return P.Usage(prompt_tokens=num_prompt, completion_tokens=completion,
+                       total_tokens=num_prompt + completion,
+                       prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
+
+    def token_logprobs(self, token_ids: list[int], logprobs: list[float]) -> list[P.TokenLogprob]:
+        return [P.TokenLogprob(token=self.tokenizer.decode([t]), logprob=lp)
+                for t, lp in zip(token_ids, logprobs)]
+
+    # -- chat -----------------------------------------------------------------------------
+
+    async def chat(self, req: P.ChatCompletionRequest, request: Request):
+        self.check_model(req.model)
+        if req.top_logprobs:
+            raise APIError(400, "top_logprobs > 0 is not supported yet; use logprobs=true alone",
+                           param="top_logprobs")
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported yet; leave it out", param="logit_bias")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise APIError(400, "response_format json_object / json_schema is not supported yet",
+                           param="response_format")
+        if req.tools and req.tool_choice != "none":
+            raise APIError(400, "tools are not supported yet", param="tools")
+        messages = []
+        for m in req.messages:
+            content = m.content
+            if isinstance(content, list):
+                content = "".join(part.text for part in content)
+            msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
+            if m.name is not None:
+                msg["name"] = m.name
+            messages.append(msg)
+        try:
+            prompt_ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages)
+        except (TemplateError, UsageError) as e:
+            raise APIError(400, str(e), param="messages") from None
+        max_tokens = self.max_tokens_for(len(prompt_ids), req.max_completion_tokens or req.max_tokens)
+        params = [self.sampling_params(req, max_tokens, None if req.seed is None else req.seed + i, req.logprobs)
+                  for i in range(req.n)]
+        self.check_capacity(req.n)
+        rid = P.new_id("chatcmpl")
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._chat_stream(rid, req, prompt_ids, params, include_usage),
+                                     media_type="text/event-stream")
+        choices = await self._collect(request, prompt_ids, params)
+        return P.ChatCompletion(
+            id=rid, model=self.model_id,
+            choices=[P.ChatChoice(
+                index=c.index, message=P.ResponseMessage(content=c.text), finish_reason=c.finish_reason,
+                logprobs=P.ChoiceLogprobs(content=self.token_logprobs(c.token_ids, c.logprobs)) if req.logprobs else None,
+            ) for c in choices],
+            usage=self.usage(len(prompt_ids), choices),
+        ).model_dump(exclude_none=False)
+
+    async def _chat_stream(self, rid: str, req: P.ChatCompletionRequest, prompt_ids: list[int],
+                           params: list[SamplingParams], include_usage: bool) -> AsyncIterator[str]:
+        choices = [_Choice(i) for i in range(len(params))]
+        usage = None if not include_usage else None
+
+        def chunk(index: int, delta: P.ChunkDelta, finish: str | None = None, logprobs=None) -> str:
+            c = P.ChatCompletionChunk(id=rid, model=self.model_id, choices=[
+                P.ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)])
+            return sse(c.model_dump(exclude_none=True) | {"choices": [
+                ch.model_dump(exclude_none=True) | {"finish_reason": finish} for ch in c.choices]})
+
+        for i in range(len(params)):
+            yield chunk(i, P.ChunkDelta(role="assistant", content=""))
+        try:
+            async for i, out in self._run_choices(prompt_ids, params):
+                self._add(choices[i], out)
+                lp = (P.ChoiceLogprobs(content=self.token_logprobs(out.token_ids, out.logprobs or []))
+                      if req.logprobs and out.token_ids else None)
+                if out.text or lp is not None:
+                    yield chunk(i, P.ChunkDelta(content=out.text), logprobs=lp)
+                if out.finished:
+                    yield chunk(i, P.ChunkDelta(), finish=out.finish_reason)
+        except LocalLLMError as e:
+            yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+            yield sse("[DONE]")
+            return
+        if include_usage:
+            usage = self.usage(len(prompt_ids), choices)
+            yield sse(P.ChatCompletionChunk(id=rid, model=self.model_id, choices=[], usage=usage).model_dump())
+        yield sse("[DONE]")
+
+    # -- completions ----------------------------------------------------------------------
+
+    async def completions(self, req: P.CompletionRequest, request: Request):
+        self.check_model(req.model)
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported yet; leave it out", param="logit_bias")
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "a list of several prompts is not supported; send one request per prompt",
+                               param="prompt")
+            prompt = prompt[0]
+        if req.suffix is not None:
+            if not isinstance(prompt, str):
+                raise APIError(400, "suffix needs the prompt as text", param="suffix")
+            encode_fim = getattr(self.tokenizer, "encode_fim", None)
+            if encode_fim is None:
+                raise APIError(400, "suffix (fill-in-the-middle) is not supported yet", param="suffix")
+            try:
+                prompt_ids = encode_fim(prompt, req.suffix)
+            except UsageError as e:
+                raise APIError(400, str(e), param="suffix") from None
+        elif isinstance(prompt, str):
+            prompt_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
+        else:
+            n_vocab = self.tokenizer.n_vocab
+            bad = next((t for t in prompt if not 0 <= t < n_vocab), None)
+            if bad is not None:
+                raise APIError(400, f"token id {bad} is outside the vocabulary of {n_vocab}", param="prompt")
+            prompt_ids = list(prompt)
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty; give at least one token of text", param="prompt")
+        max_tokens = self.max_tokens_for(len(prompt_ids), req.max_tokens)
+        want_logprobs = req.logprobs is not None
+        params = [self.sampling_params(req, max_tokens, None if req.seed is None else req.seed + i, want_logprobs)
+                  for i in range(req.n)]
+        self.check_capacity(req.n)
+        rid = P.new_id("cmpl")
+        echo = self.tokenizer.decode(prompt_ids) if req.echo and isinstance(prompt, str) and req.suffix is None else ""
+        if req.echo and not isinstance(prompt, str):
+            echo = self.tokenizer.decode(prompt_ids)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._completion_stream(rid, prompt_ids, params, echo, want_logprobs, include_usage),
+                                     media_type="text/event-stream")
+        choices = await self._collect(request, prompt_ids, params)
+        return P.Completion(
+            id=rid, model=self.model_id,
+            choices=[P.CompletionChoice(index=c.index, text=echo + c.text, finish_reason=c.finish_reason,
+                                        logprobs=self._completion_logprobs(c.token_ids, c.logprobs) if want_logprobs else None)
+                     for c in choices],
+            usage=self.usage(len(prompt_ids), choices),
+        ).model_dump()
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[float]) -> P.CompletionLogprobs:
+        tokens = [self.tokenizer.decode([t]) for t in token_ids]
+        offsets, pos = [], 0
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return P.CompletionLogprobs(tokens=tokens, token_logprobs=list(logprobs), text_offset=offsets)
+
+    async def _completion_stream(self, rid: str, prompt_ids: list[int], params: list[SamplingParams], echo: str,
+                                 want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+        choices = [_Choice(i) for i in range(len(params))]
+
+        def chunk(index: int, text: str, finish: str | None, logprobs=None) -> str:
+            return sse(P.Completion(id=rid, model=self.model_id, choices=[
+                P.CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=logprobs)]).model_dump(exclude_none=True)
+                | {"choices": [{"index": index, "text": text, "finish_reason": finish,
+                                "logprobs": logprobs.model_dump() if logprobs else None}]})
+
+        if echo:
+            for i in range(len(params)):
+                yield chunk(i, echo, None)
+        try:
+            async for i, out in self._run_choices(prompt_ids, params):
+                self._add(choices[i], out)
+                lp = self._completion_logprobs(out.token_ids, out.logprobs or []) if want_logprobs else None
+                if out.text or out.finished:
+                    yield chunk(i, out.text, out.finish_reason if out.finished else None, lp)
+        except LocalLLMError as e:
+            yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+            yield sse("[DONE]")
+            return
+        if include_usage:
+            yield sse(P.Completion(id=rid, model=self.model_id, choices=[],
+                                   usage=self.usage(len(prompt_ids), choices)).model_dump())
+        yield sse("[DONE]")
+
+
+def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig) -> FastAPI:
+    server = Server(engine, model_path, config)
+    app = FastAPI(title="localllm", version=__version__,
+                  description="OpenAI-compatible API of localllm: chat and text completions on a local model.")
+    app.state.server = server
+    if config.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
+            return error_json(413, f"the request body of {length} bytes is over the limit of "
+                                   f"{config.max_body_bytes} bytes", code="request_too_large")
+        if config.api_key and request.url.path.startswith("/v1/"):
+            auth = request.headers.get("authorization", "")
+            if auth != f"Bearer {config.api_key}":
+                return error_json(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY' "
+                                       "with the key given to `localllm serve --api-key`", code="invalid_api_key")
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, e: APIError):
+        return error_json(e.status, e.message, e.type, e.param, e.code, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, e: RequestValidationError):
+        err = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        message = err.get("msg", "invalid request")
+        if err.get("type") == "json_invalid":
+            message, param = "the request body is not valid JSON", None
+        elif err.get("type") == "extra_forbidden":
+            message = f"unknown parameter '{param}'; remove it"
+        elif param:
+            message = f"invalid value for '{param}': {message}"
+        return error_json(400, message, param=param, code="invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, e: StarletteHTTPException):
+        if e.status_code == 404:
+            return error_json(404, f"no route {request.method} {request.url.path}; see /openapi.json",
+                              code="not_found")
+        return error_json(e.status_code, str(e.detail))
+
+    @app.exception_handler(ContextOverflowError)
+    async def on_overflow(request: Request, e: ContextOverflowError):
+        return error_json(400, str(e), code="context_length_exceeded")
+
+    @app.exception_handler(LocalLLMError)
+    async def on_local_error(request: Request, e: LocalLLMError):
+        if e.exit_code == 2:
+            return error_json(400, str(e))
+        return error_json(500, str(e), type_="server_error")
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, e: Exception):
+        return error_json(500, f"internal error: {type(e).__name__}: {e}", type_="server_error")
+
+    @app.post("/v1/chat/completions", response_model=None,
+              responses={200: {"model": P.ChatCompletion}, 400: {"model": P.ErrorResponse}})
+    async def chat_completions(body: P.ChatCompletionRequest, request: Request):
+        return await server.chat(body, request)
+
+    @app.post("/v1/completions", response_model=None,
+              responses={200: {"model": P.Completion}, 400: {"model": P.ErrorResponse}})
+    async def completions(body: P.CompletionRequest, request: Request):
+        return await server.completions(body, request)
+
+    @app.get("/v1/models", response_model=P.ModelList)
+    async def models():
+        return P.ModelList(data=[P.ModelCard(id=server.model_id)])
+
+    @app.get("/v1/models/{model_id}", response_model=P.ModelCard)
+    async def model(model_id: str):
+        server.check_model(model_id)
+        return P.ModelCard(id=server.model_id)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": server.model_id}
+
+    @app.get("/metrics")
+    async def metrics():
+        stats = await asyncio.wrap_future(engine.call(lambda e: e.stats()))
+        body, content_type = server.metrics.render(stats)
+        return Response(body, media_type=content_type)
+
+    return app

@@ -1,0 +1,56 @@
+"""Prometheus figures of the server and the engine (the only prometheus_client import).
+Each app gets its own registry: nothing global, nothing created at import."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from localllm.engine.metrics import EngineStats, RequestMetrics
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class ServerMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("localllm_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.tpot = Histogram("localllm_time_per_output_token_seconds", "Mean time per output token after the first",
+                              registry=r, buckets=_TPOT_BUCKETS)
+        self.e2e = Histogram("localllm_e2e_request_latency_seconds", "Arrival to finish", registry=r,
+                             buckets=_LATENCY_BUCKETS)
+        self.requests = Counter("localllm_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("localllm_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("localllm_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
+                                     registry=r)
+        self.generated_tokens = Counter("localllm_generation_tokens", "Generated tokens", registry=r)
+        self.waiting = Gauge("localllm_requests_waiting", "Sequences waiting to run", registry=r)
+        self.running = Gauge("localllm_requests_running", "Sequences running", registry=r)
+        self.blocks_used = Gauge("localllm_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.blocks_total = Gauge("localllm_kv_blocks_total", "KV cache blocks in all", registry=r)
+        self.blocks_cached = Gauge("localllm_kv_blocks_cached", "KV blocks holding a reusable prefix", registry=r)
+        self.preemptions = Gauge("localllm_preemptions_total", "Sequences preempted and recomputed", registry=r)
+
+    def observe(self, m: RequestMetrics | None) -> None:
+        if m is None:
+            return
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        if m.tpot is not None:
+            self.tpot.observe(m.tpot)
+        if m.e2e is not None:
+            self.e2e.observe(m.e2e)
+        self.requests.labels(m.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(m.num_prompt_tokens)
+        self.cached_tokens.inc(m.num_cached_tokens)
+        self.generated_tokens.inc(m.num_generated_tokens)
+
+    def render(self, stats: EngineStats) -> tuple[bytes, str]:
+        self.waiting.set(stats.num_waiting)
+        self.running.set(stats.num_running)
+        self.blocks_used.set(stats.num_blocks_used)
+        self.blocks_total.set(stats.num_blocks_total)
+        self.blocks_cached.set(stats.num_blocks_cached)
+        self.preemptions.set(stats.num_preemptions)
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
