@@ -111,8 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--parallel", type=_positive_int, default=None, help="most sequences run at once (default 16)")
     serve.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all, 0: none)")
 
-    bench = sub.add_parser("bench", help="measure the in-process engine at several concurrencies")
+    bench = sub.add_parser("bench", help="measure the engine, or any OpenAI-compatible server, at several concurrencies")
     _add_engine_args(bench)
+    bench.add_argument("--url", default=None,
+                       help="benchmark this OpenAI-compatible base URL (e.g. http://127.0.0.1:8000/v1) instead; "
+                            "MODEL is then the model name to request, or - for the server's first")
+    bench.add_argument("--api-key", default=None, help="with --url: the server's API key")
     bench.add_argument("--concurrency", type=_int_list, default=[1, 4, 8], help="e.g. 1,4,8")
     bench.add_argument("--prompt-tokens", type=_positive_int, default=128)
     bench.add_argument("--max-tokens", type=_positive_int, default=128)
@@ -170,6 +174,12 @@ def cmd_run(args) -> int:
 def cmd_bench(args) -> int:
     from localllm.commands.bench import bench
 
+    if args.url:
+        from localllm.commands.bench import bench_url
+
+        model = None if args.model == "-" else args.model
+        return bench_url(args.url, model, args.concurrency, args.prompt_tokens, args.max_tokens,
+                         api_key=args.api_key, as_json=args.json)
     return bench(_engine_config(args), args.concurrency, args.prompt_tokens, args.max_tokens, as_json=args.json)
 
 

@@ -31,6 +31,9 @@ class Vocab(Protocol):
     bos_text: str  # e.g. "<bos>"; "" when there is none
     eos_text: str
     chat_template: str | None  # the GGUF's tokenizer.chat_template: untrusted Jinja
+    fim_pre_id: int | None  # fill-in-the-middle control tokens; None when the model has none
+    fim_suf_id: int | None
+    fim_mid_id: int | None
 
     def tokenize(self, text: bytes, add_special: bool, parse_special: bool) -> list[int]: ...
 
@@ -74,6 +77,21 @@ class Tokenizer:
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         """A plain prompt. Control-token text in it (``<|im_end|>``) stays plain text."""
         return list(self._vocab.tokenize(_utf8(text, "the prompt"), add_special, False))
+
+    def encode_fim(self, prefix: str, suffix: str) -> list[int]:
+        """A fill-in-the-middle prompt: ``<fim_pre> prefix <fim_suf> suffix <fim_mid>``; the
+        model then writes the middle. Control-token text in prefix or suffix stays plain."""
+        v = self._vocab
+        if v.fim_pre_id is None or v.fim_suf_id is None or v.fim_mid_id is None:
+            raise UsageError(
+                f"{self._what} has no fill-in-the-middle tokens; use a code model trained for "
+                "it (such as qwen2.5-coder) or send a plain prompt"
+            )
+        ids = [v.fim_pre_id, *v.tokenize(_utf8(prefix, "the prefix"), False, False),
+               v.fim_suf_id, *v.tokenize(_utf8(suffix, "the suffix"), False, False), v.fim_mid_id]
+        if v.add_bos and v.bos_id is not None:
+            ids.insert(0, v.bos_id)
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return b"".join(map(self._vocab.token_to_piece, ids)).decode("utf-8", errors="replace")

@@ -79,23 +79,101 @@ def bench(config: EngineConfig, concurrencies: list[int], prompt_tokens: int, ma
     engine = LLMEngine(config)
     try:
         engine.generate(["warm up"], SamplingParams(max_tokens=4, temperature=0.0))
-        results = []
-        for c in concurrencies:
-            r = run_concurrency(engine, c, prompt_tokens, max_tokens)
-            results.append(r)
-            if not as_json:
-                print(
-                    f"concurrency {c:>3}: {r['output_tokens_per_s']:7.1f} output tok/s, "
-                    f"{r['decode_tokens_per_s'] or 0:7.1f} decode tok/s | "
-                    f"TTFT p50 {r['ttft_p50_s'] * 1000:7.0f} ms p95 {r['ttft_p95_s'] * 1000:7.0f} ms | "
-                    f"TPOT p50 {(r['tpot_p50_s'] or 0) * 1000:6.1f} ms p95 {(r['tpot_p95_s'] or 0) * 1000:6.1f} ms",
-                    flush=True,
-                )
-        if as_json:
-            json.dump({"model": str(config.model_path), "threads": config.threads,
-                       "batch_tokens": config.scheduler.max_num_batched_tokens, "results": results},
-                      sys.stdout, indent=2)
-            sys.stdout.write("\n")
+        results = [run_concurrency(engine, c, prompt_tokens, max_tokens) for c in concurrencies]
+        _report(results, {"model": str(config.model_path), "threads": config.threads,
+                          "batch_tokens": config.scheduler.max_num_batched_tokens}, as_json)
         return 0
     finally:
         engine.close()
+
+
+async def _stream_one(client, url: str, model: str, prompt: str, max_tokens: int, headers: dict) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    t0 = time.perf_counter()
+    times: list[float] = []
+    async with client.stream("POST", f"{url}/completions", json=body, headers=headers) as resp:
+        if resp.status_code != 200:
+            text = (await resp.aread()).decode("utf-8", "replace")[:300]
+            raise RuntimeError(f"{url} answered {resp.status_code}: {text}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            choices = data.get("choices") or []
+            if choices and choices[0].get("text"):
+                times.append(time.perf_counter())
+    n = len(times)
+    return {
+        "tokens": n,
+        "ttft": times[0] - t0 if times else None,
+        "tpot": (times[-1] - times[0]) / (n - 1) if n > 1 else None,
+        "times": times,
+    }
+
+
+def bench_url(url: str, model: str | None, concurrencies: list[int], prompt_tokens: int, max_tokens: int,
+              api_key: str | None = None, as_json: bool = False) -> int:
+    """The same scenario as the in-process bench, against any OpenAI-compatible server:
+    c streaming completions at once, each of about prompt_tokens words, greedy."""
+    import asyncio
+
+    import httpx
+
+    from localllm.errors import LocalLLMError
+
+    url = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def main() -> list[dict]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+            name = model
+            if name is None:
+                resp = await client.get(f"{url}/models", headers=headers)
+                resp.raise_for_status()
+                name = resp.json()["data"][0]["id"]
+            words = _FILLER.split()
+            results = []
+            await _stream_one(client, url, name, "warm up", 4, headers)
+            for c in concurrencies:
+                prompts = [f"Request {i}-{c}: " + " ".join(words[j % len(words)] for j in range(prompt_tokens))
+                           for i in range(c)]
+                t0 = time.perf_counter()
+                runs = await asyncio.gather(*[_stream_one(client, url, name, p, max_tokens, headers) for p in prompts])
+                wall = time.perf_counter() - t0
+                # Decode throughput: tokens arriving while every stream has started and none has ended.
+                start = max(r["times"][0] for r in runs if r["times"])
+                end = min(r["times"][-1] for r in runs if r["times"])
+                in_window = sum(1 for r in runs for t in r["times"] if start < t <= end)
+                generated = sum(r["tokens"] for r in runs)
+                ttfts = [r["ttft"] for r in runs if r["ttft"] is not None]
+                tpots = [r["tpot"] for r in runs if r["tpot"] is not None]
+                results.append({
+                    "concurrency": c, "requests": len(runs), "output_tokens": generated, "wall_s": wall,
+                    "output_tokens_per_s": generated / wall,
+                    "decode_tokens_per_s": in_window / (end - start) if end > start else None,
+                    "ttft_p50_s": _pct(ttfts, 50), "ttft_p95_s": _pct(ttfts, 95),
+                    "tpot_p50_s": _pct(tpots, 50), "tpot_p95_s": _pct(tpots, 95),
+                })
+            return results
+
+    try:
+        results = asyncio.run(main())
+    except (httpx.HTTPError, RuntimeError, KeyError, IndexError) as e:
+        raise LocalLLMError(f"benchmarking {url} failed: {e}; check the URL (it ends in /v1) and the server") from None
+    _report(results, {"url": url, "model": model}, as_json)
+    return 0
+
+
+def _report(results: list[dict], header: dict, as_json: bool) -> None:
+    if as_json:
+        json.dump(header | {"results": results}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return
+    for r in results:
+        print(
+            f"concurrency {r['concurrency']:>3}: {r['output_tokens_per_s']:7.1f} output tok/s, "
+            f"{r['decode_tokens_per_s'] or 0:7.1f} decode tok/s | "
+            f"TTFT p50 {(r['ttft_p50_s'] or 0) * 1000:7.0f} ms p95 {(r['ttft_p95_s'] or 0) * 1000:7.0f} ms | "
+            f"TPOT p50 {(r['tpot_p50_s'] or 0) * 1000:6.1f} ms p95 {(r['tpot_p95_s'] or 0) * 1000:6.1f} ms",
+            flush=True,
+        )

@@ -21,6 +21,11 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
             # End in-flight streams with an error event first, so shutdown never waits on them.
             engine.shutdown()
             super().handle_exit(sig, frame)
+            # uvicorn re-raises the signal after its shutdown, which would kill the process
+            # (exit -15) before the engine is closed; a clean shutdown exits 0 instead.
+            captured = getattr(self, "_captured_signals", None)
+            if captured is not None:
+                captured.clear()
 
         async def startup(self, sockets=None):
             await super().startup(sockets)

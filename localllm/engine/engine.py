@@ -11,6 +11,8 @@ from pathlib import Path
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from localllm.config import EngineConfig
 from localllm.engine.block_manager import BlockManager
 from localllm.engine.metrics import EngineStats, RequestMetrics
@@ -18,7 +20,7 @@ from localllm.engine.request import FinishReason, SamplingParams, Sequence
 from localllm.engine.sampler import Sampler
 from localllm.engine.scheduler import Scheduler, SchedulerOutput
 from localllm.errors import LocalLLMError, UsageError
-from localllm.runners.base import ModelRunner
+from localllm.runners.base import Constraint, ModelRunner
 from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -58,6 +60,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self._seqs: dict[str, Sequence] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
+        self._constraints: dict[str, Constraint] = {}  # request id -> its grammar's state
         self.last_step: SchedulerOutput | None = None  # what the latest step computed
         self.num_steps = 0
         self.num_prompt_tokens_computed = 0
@@ -81,7 +84,15 @@ class LLMEngine:
         if request_id is not None and request_id in self._seqs:
             raise UsageError(f"request id {request_id!r} is already in use")
         seq = Sequence(prompt_token_ids=token_ids, params=params, request_id=request_id or "")
-        self.scheduler.add(seq)
+        constraint = self.runner.make_constraint(params.grammar) if params.grammar is not None else None
+        try:
+            self.scheduler.add(seq)
+        except Exception:
+            if constraint is not None:
+                constraint.free()
+            raise
+        if constraint is not None:
+            self._constraints[seq.request_id] = constraint
         self._seqs[seq.request_id] = seq
         self._detoks[seq.request_id] = IncrementalDetokenizer(
             self.runner.vocab.token_to_piece, params.stop
@@ -119,10 +130,27 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(seq)
             if not needs_logits:
                 continue
-            token_id, logprob = self.sampler.sample(seq, logits[row])
+            sampled = self._sample(seq, logits[row])
             row += 1
-            outputs.append(self._append_token(seq, token_id, logprob, now))
+            if sampled is None:  # the grammar allows no token at all
+                outputs.append(self._finish(seq, FinishReason.ERROR, RequestOutput(seq.request_id)))
+                continue
+            outputs.append(self._append_token(seq, *sampled, now))
         return outputs
+
+    def _sample(self, seq: Sequence, logits: np.ndarray) -> tuple[int, float | None] | None:
+        """seq's next token and its logprob, within its grammar if it has one; None when the
+        grammar allows nothing. A preempted sequence keeps its grammar's state: its output
+        tokens are recomputed, never sampled (or accepted) again."""
+        constraint = self._constraints.get(seq.request_id)
+        if constraint is None:
+            return self.sampler.sample(seq, logits)
+        masked = constraint.apply(logits)  # (vocab,)
+        if masked.max() == -np.inf:
+            return None
+        token_id, logprob = self.sampler.sample(seq, masked)
+        constraint.accept(token_id)
+        return token_id, logprob
 
     def _append_token(self, seq: Sequence, token_id: int, logprob: float | None, now: float) -> RequestOutput:
         params = seq.params
@@ -155,6 +183,9 @@ class LLMEngine:
         seq.finish_time = time.perf_counter()
         self.scheduler.finish(seq)
         self.sampler.free(seq.seq_id)
+        constraint = self._constraints.pop(seq.request_id, None)
+        if constraint is not None:
+            constraint.free()
         del self._seqs[seq.request_id]
         result.finished = True
         result.finish_reason = reason.value

@@ -28,6 +28,13 @@ from localllm.server import protocol as P
 from localllm.server.metrics import ServerMetrics
 
 
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict | None = None):
@@ -83,7 +90,7 @@ class Server:
             raise APIError(503, f"the server is busy: {self.num_in_flight} requests in flight; retry shortly",
                            type_="server_error", code="server_busy", headers={"Retry-After": "1"})
 
-    def max_tokens_for(self, num_prompt: int, asked: int | None) -> int:
+    def max_tokens_for(self, num_prompt: int, asked: int | None, param: str) -> int:
         room = self.max_model_len - num_prompt
         if asked is None:
             asked = room
@@ -93,11 +100,12 @@ class Server:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                 f"requested {num_prompt + asked} tokens ({num_prompt} in the prompt, {asked} for the "
                 f"completion). Please reduce the length of the prompt or the completion.",
-                param="messages", code="context_length_exceeded")
+                param=param, code="context_length_exceeded")
         return asked
 
-    def sampling_params(self, req: P._Sampling, max_tokens: int, seed: int | None, logprobs: bool) -> SamplingParams:
-        kwargs = dict(max_tokens=max_tokens, stop=req.stop_list(), seed=seed, logprobs=logprobs)
+    def sampling_params(self, req: P._Sampling, max_tokens: int, seed: int | None, logprobs: bool,
+                        grammar: str | None = None) -> SamplingParams:
+        kwargs = dict(max_tokens=max_tokens, stop=req.stop_list(), seed=seed, logprobs=logprobs, grammar=grammar)
         for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
                              ("min_p", "min_p"), ("repetition_penalty", "repeat_penalty"),
                              ("frequency_penalty", "frequency_penalty"), ("presence_penalty", "presence_penalty")):
@@ -200,45 +208,89 @@ class Server:
                            param="top_logprobs")
         if req.logit_bias:
             raise APIError(400, "logit_bias is not supported yet; leave it out", param="logit_bias")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise APIError(400, "response_format json_object / json_schema is not supported yet",
-                           param="response_format")
-        if req.tools and req.tool_choice != "none":
-            raise APIError(400, "tools are not supported yet", param="tools")
-        messages = []
-        for m in req.messages:
-            content = m.content
-            if isinstance(content, list):
-                content = "".join(part.text for part in content)
-            msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
-            if m.name is not None:
-                msg["name"] = m.name
-            messages.append(msg)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
+        grammar = self.grammar_for(req, tools)
+        messages = [self.message_dict(m) for m in req.messages]
         try:
-            prompt_ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages)
+            prompt_ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, True, tools)
         except (TemplateError, UsageError) as e:
             raise APIError(400, str(e), param="messages") from None
-        max_tokens = self.max_tokens_for(len(prompt_ids), req.max_completion_tokens or req.max_tokens)
-        params = [self.sampling_params(req, max_tokens, None if req.seed is None else req.seed + i, req.logprobs)
-                  for i in range(req.n)]
+        max_tokens = self.max_tokens_for(len(prompt_ids), req.max_completion_tokens or req.max_tokens, "messages")
+        params = [self.sampling_params(req, max_tokens, None if req.seed is None else req.seed + i, req.logprobs,
+                                       grammar) for i in range(req.n)]
         self.check_capacity(req.n)
         rid = P.new_id("chatcmpl")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._chat_stream(rid, req, prompt_ids, params, include_usage),
+            return StreamingResponse(self._chat_stream(rid, req, prompt_ids, params, include_usage, tools),
                                      media_type="text/event-stream")
         choices = await self._collect(request, prompt_ids, params)
         return P.ChatCompletion(
             id=rid, model=self.model_id,
-            choices=[P.ChatChoice(
-                index=c.index, message=P.ResponseMessage(content=c.text), finish_reason=c.finish_reason,
-                logprobs=P.ChoiceLogprobs(content=self.token_logprobs(c.token_ids, c.logprobs)) if req.logprobs else None,
-            ) for c in choices],
+            choices=[self._chat_choice(c, req, tools) for c in choices],
             usage=self.usage(len(prompt_ids), choices),
         ).model_dump(exclude_none=False)
 
+    def message_dict(self, m: P.ChatMessage) -> dict:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        msg: dict = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            # Templates expect arguments as an object (they render it with tojson).
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in m.tool_calls]
+        return msg
+
+    def grammar_for(self, req: P.ChatCompletionRequest, tools: list[dict] | None) -> str | None:
+        from localllm.runners.llamacpp import JSON_OBJECT_GRAMMAR, json_schema_to_grammar
+        from localllm.tools import tool_call_grammar
+
+        fmt = req.response_format
+        try:
+            if tools and (req.tool_choice == "required" or isinstance(req.tool_choice, P.NamedToolChoice)):
+                name = req.tool_choice.function.get("name") if isinstance(req.tool_choice, P.NamedToolChoice) else None
+                if name is not None and name not in {t["function"]["name"] for t in tools}:
+                    raise APIError(400, f"tool_choice names '{name}', which is not among the tools", param="tool_choice")
+                return tool_call_grammar(tools, json_schema_to_grammar, name)
+            if fmt is None or fmt.type == "text":
+                return None
+            if fmt.type == "json_object":
+                return JSON_OBJECT_GRAMMAR
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+            return json_schema_to_grammar(fmt.json_schema.schema_)
+        except UsageError as e:
+            raise APIError(400, str(e), param="response_format") from None
+
+    def _chat_choice(self, c: _Choice, req: P.ChatCompletionRequest, tools: list[dict] | None) -> P.ChatChoice:
+        content, calls, finish = self.split_tool_calls(c.text, tools, c.finish_reason)
+        return P.ChatChoice(
+            index=c.index, message=P.ResponseMessage(content=content, tool_calls=calls), finish_reason=finish,
+            logprobs=P.ChoiceLogprobs(content=self.token_logprobs(c.token_ids, c.logprobs)) if req.logprobs else None)
+
+    def split_tool_calls(self, text: str, tools: list[dict] | None, finish: str | None):
+        """(content, tool_calls, finish_reason) of a finished answer."""
+        if not tools:
+            return text, None, finish
+        from localllm.tools import parse_bare_call, parse_tool_calls
+
+        content, calls = parse_tool_calls(text)
+        if not calls:
+            bare = parse_bare_call(text, {t["function"]["name"] for t in tools})
+            if bare is None:
+                return text, None, finish
+            content, calls = "", [bare]
+        tool_calls = [P.ToolCall(id=P.new_id("call"), function=P.FunctionCall(**c)) for c in calls]
+        return content or None, tool_calls, "tool_calls"
+
     async def _chat_stream(self, rid: str, req: P.ChatCompletionRequest, prompt_ids: list[int],
-                           params: list[SamplingParams], include_usage: bool) -> AsyncIterator[str]:
+                           params: list[SamplingParams], include_usage: bool,
+                           tools: list[dict] | None = None) -> AsyncIterator[str]:
         choices = [_Choice(i) for i in range(len(params))]
         usage = None if not include_usage else None
 
@@ -255,6 +307,14 @@ class Server:
                 self._add(choices[i], out)
                 lp = (P.ChoiceLogprobs(content=self.token_logprobs(out.token_ids, out.logprobs or []))
                       if req.logprobs and out.token_ids else None)
+                if tools:  # a tool call is only known whole: the answer is sent when it ends
+                    if out.finished:
+                        content, calls, finish = self.split_tool_calls(choices[i].text, tools, out.finish_reason)
+                        delta = P.ChunkDelta(content=content, tool_calls=[
+                            {"index": k, **c.model_dump()} for k, c in enumerate(calls)] if calls else None)
+                        yield chunk(i, delta)
+                        yield chunk(i, P.ChunkDelta(), finish=finish)
+                    continue
                 if out.text or lp is not None:
                     yield chunk(i, P.ChunkDelta(content=out.text), logprobs=lp)
                 if out.finished:
@@ -300,7 +360,7 @@ class Server:
             prompt_ids = list(prompt)
         if not prompt_ids:
             raise APIError(400, "the prompt is empty; give at least one token of text", param="prompt")
-        max_tokens = self.max_tokens_for(len(prompt_ids), req.max_tokens)
+        max_tokens = self.max_tokens_for(len(prompt_ids), req.max_tokens, "prompt")
         want_logprobs = req.logprobs is not None
         params = [self.sampling_params(req, max_tokens, None if req.seed is None else req.seed + i, want_logprobs)
                   for i in range(req.n)]
@@ -359,6 +419,50 @@ class Server:
         yield sse("[DONE]")
 
 
+class BodyLimit:
+    """Answers 413 to a request body over ``max_bytes``, whether it declares its length or comes
+    chunked (then it is read here, up to the limit, and handed on whole)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit():  # the HTTP parser holds the body to this length
+            if int(length) > self.max_bytes:
+                return await self._too_large(int(length), scope, receive, send)
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before the body ended
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._too_large(size, scope, receive, send, at_least=True)
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, size: int, scope, receive, send, at_least: bool = False) -> None:
+        size_text = f"at least {size}" if at_least else f"{size}"
+        response = error_json(413, f"the request body of {size_text} bytes is over the limit of {self.max_bytes} "
+                                   f"bytes; send a shorter request", code="request_too_large")
+        await response(scope, receive, send)
+
+
 def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig) -> FastAPI:
     server = Server(engine, model_path, config)
     app = FastAPI(title="localllm", version=__version__,
@@ -370,16 +474,14 @@ def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig) -> F
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
-            return error_json(413, f"the request body of {length} bytes is over the limit of "
-                                   f"{config.max_body_bytes} bytes", code="request_too_large")
         if config.api_key and request.url.path.startswith("/v1/"):
             auth = request.headers.get("authorization", "")
             if auth != f"Bearer {config.api_key}":
                 return error_json(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY' "
                                        "with the key given to `localllm serve --api-key`", code="invalid_api_key")
         return await call_next(request)
+
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)  # outermost: before the key check
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, e: APIError):

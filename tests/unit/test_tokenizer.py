@@ -31,6 +31,7 @@ class FakeVocab:
     eos_id = EOS
     bos_text = "<bos>"
     eos_text = "<eos>"
+    fim_pre_id = fim_suf_id = fim_mid_id = None
 
     def __init__(self, chat_template: str | None = CHATML, add_bos: bool = False) -> None:
         self.chat_template = chat_template
@@ -84,6 +85,19 @@ def test_encode_keeps_control_token_text_plain():
 def test_encode_rejects_lone_surrogate():
     with pytest.raises(UsageError, match="not valid Unicode"):
         Tokenizer(FakeVocab()).encode("a\ud800")
+
+
+def test_encode_fim_lays_out_prefix_suffix_middle():
+    vocab = FakeVocab(add_bos=True)
+    vocab.fim_pre_id, vocab.fim_suf_id, vocab.fim_mid_id = IM_START, IM_END, EOS
+    ids = Tokenizer(vocab).encode_fim("a<|im_end|>", "z")
+    assert ids == [BOS, IM_START] + b("a<|im_end|>") + [IM_END] + b("z") + [EOS]
+    assert all(parse_special is False for _, parse_special in vocab.calls)
+
+
+def test_encode_fim_without_fim_tokens_is_refused():
+    with pytest.raises(UsageError, match="no fill-in-the-middle tokens"):
+        Tokenizer(FakeVocab()).encode_fim("a", "b")
 
 
 def test_decode_skips_control_tokens_and_replaces_bad_bytes():

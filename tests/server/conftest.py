@@ -1,0 +1,81 @@
+"""A real `localllm serve` process on a loopback port, shared by the server tests."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+API_KEY = "sk-test"
+START_TIMEOUT_S = 60
+STOP_TIMEOUT_S = 15
+
+
+@dataclass(frozen=True)
+class LiveServer:
+    port: int
+    process: subprocess.Popen
+    log_path: Path
+    model_path: Path
+    api_key: str = API_KEY
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(server: LiveServer) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            pytest.fail(f"localllm serve exited with {server.process.returncode} while starting:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    server.process.kill()
+    pytest.fail(f"localllm serve did not answer /health within {START_TIMEOUT_S} s:\n{server.log()}")
+
+
+@pytest.fixture(scope="session")
+def live_server(qwen_path: Path, tmp_path_factory) -> LiveServer:
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "localllm.cli", "serve", "--model", str(qwen_path), "--port", str(port),
+             "--threads", "2", "--api-key", API_KEY],
+            stdout=log, stderr=subprocess.STDOUT)
+    server = LiveServer(port=port, process=process, log_path=log_path, model_path=qwen_path)
+    _wait_healthy(server)
+    yield server
+    process.send_signal(signal.SIGTERM)
+    try:
+        code = process.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        pytest.fail(f"localllm serve did not exit within {STOP_TIMEOUT_S} s of SIGTERM:\n{server.log()[-4000:]}")
+    assert code == 0, f"localllm serve exited with {code} on SIGTERM:\n{server.log()[-4000:]}"

@@ -1,0 +1,87 @@
+"""Structured output, tool calls and fill-in-the-middle through the real server and the
+official openai client."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def client(live_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live_server.base_url, api_key="sk-test", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_id(client) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_json_schema_output_validates(client, model_id, seed):
+    r = client.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "Invent a person."}], seed=seed, max_tokens=80,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"name", "age"}
+    assert isinstance(value["name"], str) and type(value["age"]) is int
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_json_object_output_parses(client, model_id):
+    r = client.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "Describe a cat as JSON."}], temperature=0,
+        max_tokens=80, response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_tool_call_round_trip(client, model_id):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model=model_id, messages=messages, tools=TOOLS, tool_choice="required",
+                                       temperature=0, max_tokens=60)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    messages.append(choice.message.model_dump(exclude_none=True))
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": 21, "sky": "sunny"})})
+    r = client.chat.completions.create(model=model_id, messages=messages, tools=TOOLS, tool_choice="none",
+                                       temperature=0, max_tokens=60)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert isinstance(r.choices[0].message.content, str) and r.choices[0].message.content
+    assert r.choices[0].message.tool_calls is None
+    assert r.usage.prompt_tokens > 60  # the call and its result were rendered into the prompt
+
+
+def test_streamed_tool_call(client, model_id):
+    stream = client.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0, max_tokens=60,
+        stream=True)
+    chunks = list(stream)
+    calls = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments)["city"] == "Oslo"
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_unknown_tool_choice_is_400(client, model_id):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert e.value.status_code == 400 and "nope" in e.value.body["message"]
+
+
+def test_fill_in_the_middle(client, model_id):
+    r = client.completions.create(model=model_id, prompt="def add(a, b):\n    return ",
+                                  suffix="\n\nprint(add(1, 2))\n", temperature=0, max_tokens=16)
+    assert r.choices[0].text.replace(" ", "").startswith("a+b")
