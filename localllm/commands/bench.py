@@ -135,7 +135,9 @@ def bench_url(url: str, model: str | None, concurrencies: list[int], prompt_toke
             results = []
             await _stream_one(client, url, name, "warm up", 4, headers)
             for c in concurrencies:
-                prompts = [f"Request {i}-{c}: " + " ".join(words[j % len(words)] for j in range(prompt_tokens))
+                # A fresh head each run, so no server answers from a prefix cache of an earlier run.
+                nonce = time.time_ns() % 1_000_000_007
+                prompts = [f"Request {nonce}-{i}: " + " ".join(words[j % len(words)] for j in range(prompt_tokens))
                            for i in range(c)]
                 t0 = time.perf_counter()
                 runs = await asyncio.gather(*[_stream_one(client, url, name, p, max_tokens, headers) for p in prompts])

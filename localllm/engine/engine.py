@@ -17,7 +17,7 @@ from localllm.config import EngineConfig
 from localllm.engine.block_manager import BlockManager
 from localllm.engine.metrics import EngineStats, RequestMetrics
 from localllm.engine.request import FinishReason, SamplingParams, Sequence
-from localllm.engine.sampler import Sampler
+from localllm.engine.sampler import Sampler, top_logprobs
 from localllm.engine.scheduler import Scheduler, SchedulerOutput
 from localllm.errors import LocalLLMError, UsageError
 from localllm.runners.base import Constraint, ModelRunner
@@ -33,6 +33,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob), best first
     finished: bool = False
     finish_reason: str | None = None
     metrics: RequestMetrics | None = None
@@ -135,7 +136,10 @@ class LLMEngine:
             if sampled is None:  # the grammar allows no token at all
                 outputs.append(self._finish(seq, FinishReason.ERROR, RequestOutput(seq.request_id)))
                 continue
-            outputs.append(self._append_token(seq, *sampled, now))
+            result = self._append_token(seq, *sampled, now)
+            if seq.params.top_logprobs:
+                result.top_logprobs = [top_logprobs(logits[row - 1], seq.params.top_logprobs)]
+            outputs.append(result)
         return outputs
 
     def _sample(self, seq: Sequence, logits: np.ndarray) -> tuple[int, float | None] | None:
@@ -213,6 +217,8 @@ class LLMEngine:
                 m.text += o.text
                 if m.logprobs is not None and o.logprobs:
                     m.logprobs += o.logprobs
+                if o.top_logprobs:
+                    m.top_logprobs = (m.top_logprobs or []) + o.top_logprobs
                 if o.finished:
                     m.finished, m.finish_reason, m.metrics = True, o.finish_reason, o.metrics
         return [merged[s.request_id] for s in seqs]

@@ -42,6 +42,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: also the k most likely tokens at each step
     # GBNF text every output must match; parsed by the runner when the request is added.
     grammar: str | None = None
 
@@ -69,6 +70,8 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise bad(name, getattr(self, name), "use a number in [-2, 2]")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
+            raise bad("top_logprobs", self.top_logprobs, "use a whole number in [0, 20]")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise bad("seed", self.seed, "use a whole number of 0 or more")
         if any(not isinstance(s, str) or not s for s in self.stop):

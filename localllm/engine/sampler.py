@@ -161,3 +161,14 @@ def _logprob(logits: np.ndarray, token: int) -> float:
     top = logits.max()
     log_total = np.log(_exp_shifted(logits, top).sum(dtype=np.float64))
     return float(logits[token]) - float(top) - float(log_total)
+
+
+def top_logprobs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The k most likely tokens of logits (vocab,) with their log_softmax, most likely first
+    (ties: lowest id)."""
+    k = min(k, logits.shape[0])
+    top = logits.max()
+    log_total = float(top) + float(np.log(_exp_shifted(logits, top).sum(dtype=np.float64)))
+    ids = np.argpartition(-logits, k - 1)[:k]
+    ids = ids[np.lexsort((ids, -logits[ids]))]
+    return [(int(i), float(logits[i]) - log_total) for i in ids]

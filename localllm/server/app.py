@@ -62,6 +62,7 @@ class _Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     metrics: object = None
 
@@ -104,8 +105,9 @@ class Server:
         return asked
 
     def sampling_params(self, req: P._Sampling, max_tokens: int, seed: int | None, logprobs: bool,
-                        grammar: str | None = None) -> SamplingParams:
-        kwargs = dict(max_tokens=max_tokens, stop=req.stop_list(), seed=seed, logprobs=logprobs, grammar=grammar)
+                        grammar: str | None = None, top_logprobs: int = 0) -> SamplingParams:
+        kwargs = dict(max_tokens=max_tokens, stop=req.stop_list(), seed=seed, logprobs=logprobs, grammar=grammar,
+                      top_logprobs=top_logprobs)
         for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
                              ("min_p", "min_p"), ("repetition_penalty", "repeat_penalty"),
                              ("frequency_penalty", "frequency_penalty"), ("presence_penalty", "presence_penalty")):
@@ -183,6 +185,8 @@ class Server:
         choice.token_ids += out.token_ids
         if out.logprobs:
             choice.logprobs += out.logprobs
+        if out.top_logprobs:
+            choice.top_logprobs += out.top_logprobs
         if out.finished:
             choice.finish_reason = out.finish_reason
             choice.metrics = out.metrics
@@ -195,17 +199,19 @@ class Server:
                        total_tokens=num_prompt + completion,
                        prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
 
-    def token_logprobs(self, token_ids: list[int], logprobs: list[float]) -> list[P.TokenLogprob]:
-        return [P.TokenLogprob(token=self.tokenizer.decode([t]), logprob=lp)
-                for t, lp in zip(token_ids, logprobs)]
+    def token_logprobs(self, token_ids: list[int], logprobs: list[float],
+                       tops: list[list[tuple[int, float]]] | None = None) -> list[P.TokenLogprob]:
+        tops = tops or [[] for _ in token_ids]
+        return [P.TokenLogprob(token=self.tokenizer.decode([t]), logprob=lp, top_logprobs=[
+                    {"token": self.tokenizer.decode([i]), "logprob": v, "bytes": None} for i, v in top])
+                for t, lp, top in zip(token_ids, logprobs, tops)]
 
     # -- chat -----------------------------------------------------------------------------
 
     async def chat(self, req: P.ChatCompletionRequest, request: Request):
         self.check_model(req.model)
-        if req.top_logprobs:
-            raise APIError(400, "top_logprobs > 0 is not supported yet; use logprobs=true alone",
-                           param="top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         if req.logit_bias:
             raise APIError(400, "logit_bias is not supported yet; leave it out", param="logit_bias")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
@@ -217,7 +223,7 @@ class Server:
             raise APIError(400, str(e), param="messages") from None
         max_tokens = self.max_tokens_for(len(prompt_ids), req.max_completion_tokens or req.max_tokens, "messages")
         params = [self.sampling_params(req, max_tokens, None if req.seed is None else req.seed + i, req.logprobs,
-                                       grammar) for i in range(req.n)]
+                                       grammar, req.top_logprobs or 0) for i in range(req.n)]
         self.check_capacity(req.n)
         rid = P.new_id("chatcmpl")
         if req.stream:
@@ -271,7 +277,8 @@ class Server:
         content, calls, finish = self.split_tool_calls(c.text, tools, c.finish_reason)
         return P.ChatChoice(
             index=c.index, message=P.ResponseMessage(content=content, tool_calls=calls), finish_reason=finish,
-            logprobs=P.ChoiceLogprobs(content=self.token_logprobs(c.token_ids, c.logprobs)) if req.logprobs else None)
+            logprobs=P.ChoiceLogprobs(content=self.token_logprobs(c.token_ids, c.logprobs, c.top_logprobs))
+            if req.logprobs else None)
 
     def split_tool_calls(self, text: str, tools: list[dict] | None, finish: str | None):
         """(content, tool_calls, finish_reason) of a finished answer."""
@@ -305,7 +312,7 @@ class Server:
         try:
             async for i, out in self._run_choices(prompt_ids, params):
                 self._add(choices[i], out)
-                lp = (P.ChoiceLogprobs(content=self.token_logprobs(out.token_ids, out.logprobs or []))
+                lp = (P.ChoiceLogprobs(content=self.token_logprobs(out.token_ids, out.logprobs or [], out.top_logprobs))
                       if req.logprobs and out.token_ids else None)
                 if tools:  # a tool call is only known whole: the answer is sent when it ends
                     if out.finished:
@@ -362,8 +369,8 @@ class Server:
             raise APIError(400, "the prompt is empty; give at least one token of text", param="prompt")
         max_tokens = self.max_tokens_for(len(prompt_ids), req.max_tokens, "prompt")
         want_logprobs = req.logprobs is not None
-        params = [self.sampling_params(req, max_tokens, None if req.seed is None else req.seed + i, want_logprobs)
-                  for i in range(req.n)]
+        params = [self.sampling_params(req, max_tokens, None if req.seed is None else req.seed + i, want_logprobs,
+                                       top_logprobs=req.logprobs or 0) for i in range(req.n)]
         self.check_capacity(req.n)
         rid = P.new_id("cmpl")
         echo = self.tokenizer.decode(prompt_ids) if req.echo and isinstance(prompt, str) and req.suffix is None else ""
@@ -377,18 +384,22 @@ class Server:
         return P.Completion(
             id=rid, model=self.model_id,
             choices=[P.CompletionChoice(index=c.index, text=echo + c.text, finish_reason=c.finish_reason,
-                                        logprobs=self._completion_logprobs(c.token_ids, c.logprobs) if want_logprobs else None)
+                                        logprobs=self._completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
+                                        if want_logprobs else None)
                      for c in choices],
             usage=self.usage(len(prompt_ids), choices),
         ).model_dump()
 
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[float]) -> P.CompletionLogprobs:
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[float],
+                             tops: list[list[tuple[int, float]]] | None = None) -> P.CompletionLogprobs:
         tokens = [self.tokenizer.decode([t]) for t in token_ids]
         offsets, pos = [], 0
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        return P.CompletionLogprobs(tokens=tokens, token_logprobs=list(logprobs), text_offset=offsets)
+        top = [{self.tokenizer.decode([i]): v for i, v in step} for step in tops] if tops else None
+        return P.CompletionLogprobs(tokens=tokens, token_logprobs=list(logprobs), top_logprobs=top,
+                                    text_offset=offsets)
 
     async def _completion_stream(self, rid: str, prompt_ids: list[int], params: list[SamplingParams], echo: str,
                                  want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
@@ -406,7 +417,8 @@ class Server:
         try:
             async for i, out in self._run_choices(prompt_ids, params):
                 self._add(choices[i], out)
-                lp = self._completion_logprobs(out.token_ids, out.logprobs or []) if want_logprobs else None
+                lp = (self._completion_logprobs(out.token_ids, out.logprobs or [], out.top_logprobs)
+                      if want_logprobs else None)
                 if out.text or out.finished:
                     yield chunk(i, out.text, out.finish_reason if out.finished else None, lp)
         except LocalLLMError as e:

@@ -85,3 +85,24 @@ def test_fill_in_the_middle(client, model_id):
     r = client.completions.create(model=model_id, prompt="def add(a, b):\n    return ",
                                   suffix="\n\nprint(add(1, 2))\n", temperature=0, max_tokens=16)
     assert r.choices[0].text.replace(" ", "").startswith("a+b")
+
+
+def test_chat_top_logprobs(client, model_id):
+    r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "Say hello."}],
+                                       temperature=0, max_tokens=5, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+        # Greedy: the chosen token is the most likely one.
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+
+
+def test_completion_top_logprobs(client, model_id):
+    r = client.completions.create(model=model_id, prompt="def add(a, b):", temperature=0, max_tokens=4, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) == 4
+    assert all(len(step) <= 2 and lp.tokens[i] in step for i, step in enumerate(lp.top_logprobs))

@@ -9,6 +9,7 @@ import pytest
 
 from localllm.engine.request import SamplingParams, Sequence
 from localllm.engine.sampler import Sampler, _search, apply_penalties
+from localllm.errors import UsageError
 
 
 def make_seq(prompt: list[int] | None = None, output: list[int] | None = None, **params) -> Sequence:
@@ -264,3 +265,20 @@ def test_read_only_logits_are_left_unmodified(params):
     for _ in range(3):
         Sampler(num_candidates=64).sample(seq, logits)
     np.testing.assert_array_equal(logits, before)
+
+
+def test_top_logprobs_are_the_k_best_log_softmax_values_best_first():
+    from localllm.engine.sampler import top_logprobs
+
+    logits = np.array([1.0, 3.0, 2.0, 3.0, -1.0], dtype=np.float32)
+    expected = logits - np.log(np.exp(logits.astype(np.float64)).sum())
+    top = top_logprobs(logits, 3)
+    assert [i for i, _ in top] == [1, 3, 2]  # the tie between 1 and 3 goes to the lower id
+    for i, lp in top:
+        assert lp == pytest.approx(expected[i], abs=1e-6)
+    assert [i for i, _ in top_logprobs(logits, 10)] == [1, 3, 2, 0, 4]
+
+
+def test_top_logprobs_is_validated():
+    with pytest.raises(UsageError, match="top_logprobs"):
+        SamplingParams(top_logprobs=21)
