@@ -104,9 +104,10 @@ class Server:
                 param=param, code="context_length_exceeded")
         return asked
 
-    def sampling_params(self, req: P._Sampling, max_tokens: int, seed: int | None, logprobs: bool,
-                        grammar: str | None = None, top_logprobs: int = 0) -> SamplingParams:
-        kwargs = dict(max_tokens=max_tokens, stop=req.stop_list(), seed=seed, logprobs=logprobs, grammar=grammar,
+    def choice_params(self, req: P._Sampling, max_tokens: int, logprobs: bool, grammar: str | None,
+                      top_logprobs: int) -> list[SamplingParams]:
+        """One SamplingParams per choice; with a seed, choice i uses seed + i so the n differ."""
+        kwargs = dict(max_tokens=max_tokens, stop=req.stop_list(), logprobs=logprobs, grammar=grammar,
                       top_logprobs=top_logprobs)
         for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
                              ("min_p", "min_p"), ("repetition_penalty", "repeat_penalty"),
@@ -117,7 +118,7 @@ class Server:
         if req.temperature is None:
             kwargs["temperature"] = 1.0  # OpenAI's default
         try:
-            return SamplingParams(**kwargs)
+            return [SamplingParams(seed=None if req.seed is None else req.seed + i, **kwargs) for i in range(req.n)]
         except UsageError as e:
             raise APIError(400, str(e)) from None
 
@@ -222,8 +223,7 @@ class Server:
         except (TemplateError, UsageError) as e:
             raise APIError(400, str(e), param="messages") from None
         max_tokens = self.max_tokens_for(len(prompt_ids), req.max_completion_tokens or req.max_tokens, "messages")
-        params = [self.sampling_params(req, max_tokens, None if req.seed is None else req.seed + i, req.logprobs,
-                                       grammar, req.top_logprobs or 0) for i in range(req.n)]
+        params = self.choice_params(req, max_tokens, req.logprobs, grammar, req.top_logprobs or 0)
         self.check_capacity(req.n)
         rid = P.new_id("chatcmpl")
         if req.stream:
@@ -299,7 +299,6 @@ class Server:
                            params: list[SamplingParams], include_usage: bool,
                            tools: list[dict] | None = None) -> AsyncIterator[str]:
         choices = [_Choice(i) for i in range(len(params))]
-        usage = None if not include_usage else None
 
         def chunk(index: int, delta: P.ChunkDelta, finish: str | None = None, logprobs=None) -> str:
             c = P.ChatCompletionChunk(id=rid, model=self.model_id, choices=[
@@ -331,8 +330,8 @@ class Server:
             yield sse("[DONE]")
             return
         if include_usage:
-            usage = self.usage(len(prompt_ids), choices)
-            yield sse(P.ChatCompletionChunk(id=rid, model=self.model_id, choices=[], usage=usage).model_dump())
+            yield sse(P.ChatCompletionChunk(id=rid, model=self.model_id, choices=[],
+                                            usage=self.usage(len(prompt_ids), choices)).model_dump())
         yield sse("[DONE]")
 
     # -- completions ----------------------------------------------------------------------
@@ -369,13 +368,10 @@ class Server:
             raise APIError(400, "the prompt is empty; give at least one token of text", param="prompt")
         max_tokens = self.max_tokens_for(len(prompt_ids), req.max_tokens, "prompt")
         want_logprobs = req.logprobs is not None
-        params = [self.sampling_params(req, max_tokens, None if req.seed is None else req.seed + i, want_logprobs,
-                                       top_logprobs=req.logprobs or 0) for i in range(req.n)]
+        params = self.choice_params(req, max_tokens, want_logprobs, None, req.logprobs or 0)
         self.check_capacity(req.n)
         rid = P.new_id("cmpl")
-        echo = self.tokenizer.decode(prompt_ids) if req.echo and isinstance(prompt, str) and req.suffix is None else ""
-        if req.echo and not isinstance(prompt, str):
-            echo = self.tokenizer.decode(prompt_ids)
+        echo = self.tokenizer.decode(prompt_ids) if req.echo and req.suffix is None else ""
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(self._completion_stream(rid, prompt_ids, params, echo, want_logprobs, include_usage),
