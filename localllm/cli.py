@@ -111,6 +111,25 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--parallel", type=_positive_int, default=None, help="most sequences run at once (default 16)")
     serve.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all, 0: none)")
 
+    chat = sub.add_parser("chat", help="chat in the terminal (a Textual app)",
+                          description="Chat in the terminal. Press F1 in the app for every key.")
+    chat.add_argument("model", nargs="?", default=None,
+                      help="path to a .gguf model file (default: the model of the last chat); "
+                           "with --endpoint, the server's model name")
+    chat.add_argument("--endpoint", default=None,
+                      help="talk to this OpenAI-compatible server (e.g. http://127.0.0.1:8000/v1) "
+                           "instead of loading the model here")
+    chat.add_argument("--api-key", default=None, help="with --endpoint: the server's API key")
+    chat.add_argument("--system", default="", help="system prompt for a new chat")
+    chat.add_argument("--resume", nargs="?", const="", default=None, metavar="ID",
+                      help="continue a saved chat (default: the latest)")
+    chat.add_argument("--temperature", type=_number, default=0.8)
+    chat.add_argument("--top-p", type=_number, default=0.95)
+    chat.add_argument("--max-tokens", type=_positive_int, default=2048)
+    chat.add_argument("--ctx", type=_positive_int, default=DEFAULT_CTX, help="context size in tokens (KV cache)")
+    chat.add_argument("--threads", type=_nonneg_int, default=0, help="CPU threads (default: physical cores)")
+    chat.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all, 0: none)")
+
     bench = sub.add_parser("bench", help="measure the engine, or any OpenAI-compatible server, at several concurrencies")
     _add_engine_args(bench)
     bench.add_argument("--url", default=None,
@@ -183,6 +202,20 @@ def cmd_bench(args) -> int:
     return bench(_engine_config(args), args.concurrency, args.prompt_tokens, args.max_tokens, as_json=args.json)
 
 
+def cmd_chat(args) -> int:
+    from localllm.commands.chat import chat
+    from localllm.tui.backend import GenerationSettings
+
+    settings = GenerationSettings(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
+    engine_config = None
+    if args.endpoint is None:
+        args.batch_tokens = args.parallel = None
+        args.model = args.model or "-"  # the chat command resolves the real model
+        engine_config = _engine_config(args)
+    return chat(engine_config, None if args.model == "-" else args.model, endpoint=args.endpoint,
+                api_key=args.api_key, system=args.system, resume=args.resume, settings=settings)
+
+
 def cmd_serve(args) -> int:
     from localllm.commands.serve import serve
     from localllm.config import ServerConfig
@@ -203,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 2
-        handler = {"run": cmd_run, "bench": cmd_bench, "serve": cmd_serve}[args.command]
+        handler = {"run": cmd_run, "bench": cmd_bench, "serve": cmd_serve, "chat": cmd_chat}[args.command]
         return handler(args)
     except LocalLLMError as e:
         return _fail(str(e), e.exit_code)

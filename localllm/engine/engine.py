@@ -37,6 +37,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int | None = None  # with the first token: prompt tokens the prefix cache gave
 
 
 def load_runner(config: EngineConfig) -> ModelRunner:
@@ -165,6 +166,8 @@ class LLMEngine:
             seq.first_token_time = now
         self.num_tokens_generated += 1
         result = RequestOutput(seq.request_id, [token_id], logprobs=[logprob] if logprob is not None else None)
+        if seq.num_output_tokens == 1:
+            result.num_cached_tokens = seq.num_cached_tokens
         detok = self._detoks[seq.request_id]
         reason = None
         if (self.tokenizer.is_eog(token_id) and not params.ignore_eos) or token_id in params.stop_token_ids:

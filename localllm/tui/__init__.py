@@ -1,0 +1,1 @@
+"""`localllm chat`: the Textual chat app. The only package that imports textual."""

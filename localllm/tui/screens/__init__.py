@@ -1,0 +1,1 @@
+"""One modal screen per module."""

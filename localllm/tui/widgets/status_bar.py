@@ -1,0 +1,51 @@
+"""The bottom line: what the engine is doing and how the current answer goes."""
+
+from __future__ import annotations
+
+from textual.widgets import Static
+
+from localllm.tui.backend import EngineFigures, Figures
+
+
+def _fmt_int(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+class StatusBar(Static):
+    def __init__(self, **kwargs):
+        super().__init__("", markup=False, **kwargs)
+        self.state = "starting"  # loading | ready | answering | warming | error
+        self.model = ""
+        self.answer: dict = {}  # the current or last answer's figures (Figures.to_dict())
+        self.engine: EngineFigures | None = None
+
+    def set_state(self, state: str, model: str | None = None) -> None:
+        self.state = state
+        if model is not None:
+            self.model = model
+        self.refresh_text()
+
+    def set_answer(self, figures: Figures | dict) -> None:
+        self.answer = figures.to_dict() if isinstance(figures, Figures) else dict(figures)
+        self.refresh_text()
+
+    def set_engine(self, engine: EngineFigures | None) -> None:
+        self.engine = engine
+        self.refresh_text()
+
+    def render_text(self) -> str:
+        a = self.answer
+        ttft = f"{a['ttft'] * 1000:.0f} ms" if a.get("ttft") is not None else "-"
+        speed = f"{a['tokens_per_s']:.1f}" if a.get("tokens_per_s") is not None else "-"
+        parts = [f"{self.model or 'no model'} · {self.state}",
+                 f"TTFT {ttft}", f"{speed} tok/s",
+                 f"prompt {_fmt_int(a.get('prompt_tokens'))} / cached {_fmt_int(a.get('cached_tokens'))}"]
+        if self.engine is not None and self.engine.kv_total:
+            e = self.engine
+            parts.append(f"KV {100 * e.kv_used / e.kv_total:.0f}% of {e.kv_total:,} · {e.kv_cached:,} cached")
+        else:
+            parts.append("KV -")
+        return "  │  ".join(parts)
+
+    def refresh_text(self) -> None:
+        self.update(self.render_text())
