@@ -12,6 +12,10 @@ fi
 # llama-cpp-python builds llama.cpp from source the first time (minutes); pip caches the wheel.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
 .venv/bin/python scripts/test_models.py
+# The chat app's end-to-end test drives it in a real terminal: tmux (Debian's package).
+if ! command -v tmux >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get install -y -q tmux >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q tmux >/dev/null 2>&1) || true
+fi
 export LOCALLLM_REQUIRE_MODELS=1
 set +e
 .venv/bin/python -m pytest "${@:--q}"

@@ -94,8 +94,14 @@ class Server:
     def max_tokens_for(self, num_prompt: int, asked: int | None, param: str) -> int:
         room = self.max_model_len - num_prompt
         if asked is None:
+            if room < 1:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                    f"prompt is {num_prompt} tokens, which leaves no room for a completion. Please reduce "
+                    "the length of the prompt.", param="messages", code="context_length_exceeded")
             asked = room
-        if room < 1 or num_prompt + asked > self.max_model_len:
+        if num_prompt + asked > self.max_model_len:
             raise APIError(
                 400,
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "

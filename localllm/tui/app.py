@@ -18,6 +18,7 @@ from textual.widgets import Footer, Header, Label, LoadingIndicator
 
 from localllm.errors import ContextOverflowError, LocalLLMError
 from localllm.tui.backend import ChatBackend, Figures, GenerationSettings, reserve_for
+from localllm.tui.pacer import CPU_BUDGET, PaintPacer
 from localllm.tui.conversations import Conversation, ConversationStore, Message, title_for
 from localllm.tui.screens.choice import ChoiceScreen
 from localllm.tui.screens.help import HelpScreen
@@ -82,7 +83,7 @@ class ChatApp(App[int]):
         self.list_models = list_models or (lambda: [(self.model, self.model)])
         self.backend: ChatBackend | None = None  # set once loaded
         self.is_answering = False
-        self._answer_views: list[MessageView] = []
+        self._stop_requested = False
 
     # -- layout ---------------------------------------------------------------------------
 
@@ -92,6 +93,8 @@ class ChatApp(App[int]):
             yield ConversationList(id="sidebar")
             with Vertical(id="main"):
                 with VerticalScroll(id="messages"):
+                    yield Label("Type a message and press Enter · ctrl+j starts a new line · "
+                                "F1 lists every key", id="empty-hint")
                     with Vertical(id="loading"):
                         yield LoadingIndicator()
                         yield Label("", id="loading-label")
@@ -105,7 +108,9 @@ class ChatApp(App[int]):
 
     @property
     def status(self) -> StatusBar:
-        return self.query_one(StatusBar)
+        # A worker may finish after the app has begun closing: its figures then go nowhere.
+        found = self.query(StatusBar) if self.screen_stack else None
+        return found.first() if found else StatusBar()
 
     @property
     def messages_view(self) -> VerticalScroll:
@@ -182,6 +187,7 @@ class ChatApp(App[int]):
             return
         self.prompt.load_text("")
         self.is_answering = True
+        self._stop_requested = False
         self._answer(event.text)
 
     @work(group="answer", exclusive=True)
@@ -207,26 +213,44 @@ class ChatApp(App[int]):
         user_view = MessageView("user", text)
         answer_view = MessageView("assistant")
         await self.messages_view.mount_all([user_view, answer_view])
+        self._update_hint()
         self.messages_view.scroll_end(animate=False)
         figures = Figures()
         self.status.set_state("answering")
         self.status.set_answer(figures)
         saved = False
+
+        # Tokens reach the screen in batches, paced so that rendering never takes much CPU
+        # from a model running on the same cores (see pacer.py).
+        pacer = PaintPacer(budget=CPU_BUDGET if backend.shares_cpu else 1.0)
+        painter = None
+
+        async def paint() -> None:
+            nonlocal painter
+            at_bottom = self.messages_view.max_scroll_y - self.messages_view.scroll_y < 4
+            await answer_view.flush()
+            self.status.set_answer(figures)
+            if at_bottom:
+                self.messages_view.scroll_end(animate=False)
+            if painter is not None:
+                painter = self.set_timer(pacer.next_interval(), paint)
+
+        painter = self.set_timer(pacer.interval, paint)
         try:
             async for chunk in backend.stream(messages, self.settings):
                 if not saved:
                     conv = self._ensure_conversation(text)
                     user_view.message_id = self.store.add_message(conv.id, self._remember(Message("user", text))).id
                     saved = True
+                if self._stop_requested:
+                    backend.stop()  # Esc came before the stream had started
                 figures.observe(chunk)
-                await answer_view.append(chunk.text)
-                self.status.set_answer(figures)
-                if self.messages_view.max_scroll_y - self.messages_view.scroll_y < 4:
-                    self.messages_view.scroll_end(animate=False)
+                answer_view.add(chunk.text)
         except ContextOverflowError as e:
             if not saved:
                 await user_view.remove()
                 await answer_view.remove()
+                self._update_hint()
                 return await self._make_room(text, str(e))
             await answer_view.remove()
             await self._show_error(str(e))
@@ -239,6 +263,10 @@ class ChatApp(App[int]):
             detail = str(e) if isinstance(e, LocalLLMError) else f"unexpected {type(e).__name__}: {e} (a bug; please report it)"
             await self._show_error(detail + ("\nYour message is back in the box." if not saved else ""))
             return "abandoned"
+        finally:
+            painter.stop()
+            painter = None
+        await paint()
         stopped = figures.finish_reason == "abort"
         stats = figures.to_dict()
         answer = self.store.add_message(conv.id, self._remember(Message("assistant", answer_view.content, stopped,
@@ -319,12 +347,17 @@ class ChatApp(App[int]):
         await view.query(MessageView).remove()
         await view.mount_all([MessageView(m.role, m.content, stopped=m.stopped, excluded=m.excluded,
                                           stats=m.stats, message_id=m.id) for m in conv.messages])
+        self._update_hint()
         view.scroll_end(animate=False)
         last = next((m for m in reversed(conv.messages) if m.role == "assistant"), None)
         self.status.set_answer(last.stats if last else {})
 
+    def _update_hint(self) -> None:
+        self.query_one("#empty-hint").display = not self.query(MessageView)
+
     async def _show_error(self, text: str) -> None:
         await self.messages_view.mount(MessageView("error", error=text))
+        self._update_hint()
         self.messages_view.scroll_end(animate=False)
 
     async def _show_notice(self, text: str) -> None:
@@ -359,6 +392,7 @@ class ChatApp(App[int]):
 
     def action_stop(self) -> None:
         if self.is_answering and self.backend is not None:
+            self._stop_requested = True
             self.backend.stop()
         elif self.focused is not self.prompt:
             self.prompt.focus()
@@ -372,6 +406,7 @@ class ChatApp(App[int]):
     async def _start_new_chat(self) -> None:
         self.conversation = None
         await self.messages_view.query(MessageView).remove()
+        self._update_hint()
         self.status.set_answer({})
         self._set_title()
         self._refresh_sidebar()

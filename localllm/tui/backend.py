@@ -99,6 +99,7 @@ class EngineFigures:
 class ChatBackend(Protocol):
     model_name: str
     n_ctx: int | None  # None: the server does not say
+    shares_cpu: bool  # the model runs on this machine's cores, beside the screen
 
     def load(self) -> None:
         """Blocking: load the model or reach the server. Raises LocalLLMError."""
@@ -134,6 +135,7 @@ class LocalBackend:
         self.config = config
         self.model_name = Path(config.model_path).name
         self.n_ctx: int | None = None
+        self.shares_cpu = True
         self._engine = None  # AsyncEngine once loaded
         self._request_id: str | None = None
 
@@ -219,6 +221,7 @@ class RemoteBackend:
         self.base_url = base_url if base_url.endswith("/v1") else base_url + "/v1"
         self.model_name = model or ""
         self.n_ctx: int | None = None
+        self.shares_cpu = False
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = timeout_s
         self._stopping: asyncio.Event | None = None
@@ -264,26 +267,40 @@ class RemoteBackend:
                 async with client.stream("POST", f"{self.base_url}/chat/completions", json=body,
                                          headers=self._headers) as r:
                     if r.status_code != 200:
-                        raise _http_error(r.status_code, await r.aread())
-                    lines = r.aiter_lines()
-                    while True:
-                        next_line = asyncio.ensure_future(anext(lines, None))
-                        stop_wait = asyncio.ensure_future(stopping.wait())
-                        done, _ = await asyncio.wait({next_line, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-                        if stop_wait in done:  # leaving the block closes the connection: the server aborts
-                            next_line.cancel()
-                            yield Chunk(finished=True, finish_reason="abort")
-                            return
-                        stop_wait.cancel()
-                        line = next_line.result()
-                        if line is None:
-                            break
-                        chunk = _parse_event(line)
-                        if chunk is None:
-                            continue
-                        if chunk.finish_reason is not None:
-                            finish = chunk.finish_reason
-                        yield chunk
+                        error = _http_error(r.status_code, await r.aread())
+                        if not isinstance(error, ContextOverflowError) or "max_tokens" not in body:
+                            raise error
+                        # Servers refuse prompt + max_tokens beyond their context, where the local
+                        # engine would answer until the context is full. Ask the same way.
+                        body = {k: v for k, v in body.items() if k != "max_tokens"}
+                        r = await client.send(client.build_request(
+                            "POST", f"{self.base_url}/chat/completions", json=body, headers=self._headers),
+                            stream=True)
+                        if r.status_code != 200:
+                            raise _http_error(r.status_code, await r.aread())
+                    try:
+                        lines = r.aiter_lines()
+                        while True:
+                            next_line = asyncio.ensure_future(anext(lines, None))
+                            stop_wait = asyncio.ensure_future(stopping.wait())
+                            done, _ = await asyncio.wait({next_line, stop_wait},
+                                                         return_when=asyncio.FIRST_COMPLETED)
+                            if stop_wait in done:  # closing the connection makes the server abort
+                                next_line.cancel()
+                                yield Chunk(finished=True, finish_reason="abort")
+                                return
+                            stop_wait.cancel()
+                            line = next_line.result()
+                            if line is None:
+                                break
+                            chunk = _parse_event(line)
+                            if chunk is None:
+                                continue
+                            if chunk.finish_reason is not None:
+                                finish = chunk.finish_reason
+                            yield chunk
+                    finally:
+                        await r.aclose()
             except httpx.HTTPError as e:
                 raise EngineError(f"the connection to {self.base_url} failed ({e}); check the server") from None
             finally:
@@ -305,10 +322,18 @@ class RemoteBackend:
 
 
 def _http_error(status: int, body: bytes) -> LocalLLMError:
+    # OpenAI and llama-server: {"error": {"message", "code"}}; Ollama: {"error": "text"};
+    # vLLM: {"message", "code"} at the top.
     try:
-        error = json.loads(body)["error"]
-        message, code = error.get("message", ""), error.get("code")
-    except (ValueError, KeyError, TypeError, AttributeError):
+        payload = json.loads(body)
+    except ValueError:
+        payload = None
+    error = payload.get("error", payload) if isinstance(payload, dict) else None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        message, code = error["message"], error.get("code")
+    elif isinstance(error, str):
+        message, code = error, None
+    else:
         message, code = body[:200].decode("utf-8", "replace"), None
     if code == "context_length_exceeded" or "context" in str(message).lower() and status == 400:
         return ContextOverflowError(f"the server says: {message}")

@@ -73,15 +73,21 @@ class ConversationStore:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        db = None
         try:
-            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.execute("PRAGMA foreign_keys=ON")
-            self._db.executescript(_SCHEMA)
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            db.execute("PRAGMA foreign_keys=ON")
+            db.executescript(_SCHEMA)
         except sqlite3.DatabaseError as e:
+            if db is not None:
+                db.close()
             raise UsageError(f"the conversation store {self.path} cannot be opened ({e}); "
                              "move it aside and start again") from None
+        self._db = db
+        # SQLite's LIKE and lower() fold ASCII only; search folds case the way Python does.
+        self._db.create_function("casefold", 1, lambda text: text.casefold(), deterministic=True)
 
     def close(self) -> None:
         self._db.close()
@@ -120,11 +126,10 @@ class ConversationStore:
         if not search:
             rows = self._db.execute(f"SELECT {columns} FROM conversations c ORDER BY c.updated DESC")
         else:
-            pattern = "%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
             rows = self._db.execute(
-                f"SELECT {columns} FROM conversations c WHERE c.title LIKE ?1 ESCAPE '\\' OR EXISTS "
-                "(SELECT 1 FROM messages m WHERE m.conversation_id = c.id AND m.content LIKE ?1 ESCAPE '\\') "
-                "ORDER BY c.updated DESC", (pattern,))
+                f"SELECT {columns} FROM conversations c WHERE instr(casefold(c.title), ?1) OR EXISTS "
+                "(SELECT 1 FROM messages m WHERE m.conversation_id = c.id AND instr(casefold(m.content), ?1)) "
+                "ORDER BY c.updated DESC", (search.casefold(),))
         return [Conversation(*row) for row in rows]
 
     def recent_inputs(self, limit: int = 200) -> list[str]:
@@ -151,15 +156,18 @@ class ConversationStore:
     # -- messages -------------------------------------------------------------------------
 
     def add_message(self, conversation_id: str, message: Message) -> Message:
+        now = time.time()
         with self._db:  # one transaction: the message and the conversation's new time together
             self._db.execute("BEGIN")
+            cur = self._db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
+            if cur.rowcount == 0:  # raising here rolls the transaction back
+                raise _no_conversation(conversation_id)
             cur = self._db.execute(
                 "INSERT INTO messages (conversation_id, role, content, stopped, excluded, stats, created) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (conversation_id, message.role, message.content, int(message.stopped),
-                 int(message.excluded), json.dumps(message.stats), time.time()))
+                 int(message.excluded), json.dumps(message.stats), now))
             message.id = cur.lastrowid
-            self._db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (time.time(), conversation_id))
         return message
 
     def exclude(self, message_ids: list[int]) -> None:
@@ -171,4 +179,8 @@ class ConversationStore:
         cur = self._db.execute(f"UPDATE conversations SET {sets}, updated = ? WHERE id = ?",
                                (*columns.values(), time.time(), conversation_id))
         if cur.rowcount == 0:
-            raise UsageError(f"no conversation {conversation_id!r}; it may have been deleted")
+            raise _no_conversation(conversation_id)
+
+
+def _no_conversation(conversation_id: str) -> UsageError:
+    return UsageError(f"no conversation {conversation_id!r}; it may have been deleted")

@@ -14,8 +14,9 @@ _FENCE = re.compile(r"^(`{3,}|~{3,})[^\n]*\n(.*?)^\1[ \t]*$", re.S | re.M)
 def code_blocks(markdown: str) -> list[str]:
     """The fenced code blocks of a Markdown text, in order; an unclosed last fence counts
     (an answer stopped in the middle of its code)."""
-    blocks = [m.group(2) for m in _FENCE.finditer(markdown)]
-    tail = markdown[_FENCE.search(markdown).end():] if blocks else markdown
+    matches = list(_FENCE.finditer(markdown))
+    blocks = [m.group(2) for m in matches]
+    tail = markdown[matches[-1].end():] if matches else markdown
     m = re.search(r"^(`{3,}|~{3,})[^\n]*\n(.*)\Z", tail, re.S | re.M)
     if m:
         blocks.append(m.group(2))
@@ -44,12 +45,13 @@ class MessageView(Vertical):
                  stats: dict | None = None, error: str | None = None, message_id: int | None = None):
         super().__init__(classes=f"message {role}")
         self.role = role
-        self.content = content
+        self.content = content if error is None else error  # an error or notice: its text
         self.message_id = message_id
         self._stopped = stopped
         self._stats = stats or {}
         self._error = error
         self._stream = None
+        self._pending = ""
         if excluded:
             self.add_class("excluded")
 
@@ -79,16 +81,22 @@ class MessageView(Vertical):
                 parts.append("cut at the token limit")
         return "  ".join(parts)
 
-    async def append(self, text: str) -> None:
-        """Stream more of the answer in; Markdown batches the updates itself."""
-        if not text:
-            return
+    def add(self, text: str) -> None:
+        """Take more of the answer; it reaches the screen at the next ``flush``."""
         self.content += text
+        self._pending += text
+
+    async def flush(self) -> None:
+        """Render what came since the last flush (Markdown re-renders its last block)."""
+        if not self._pending:
+            return
         if self._stream is None:
             self._stream = Markdown.get_stream(self.query_one(Markdown))
+        text, self._pending = self._pending, ""
         await self._stream.write(text)
 
     async def finish(self, stats: dict, stopped: bool) -> None:
+        await self.flush()
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None

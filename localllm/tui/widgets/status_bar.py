@@ -13,7 +13,7 @@ def _fmt_int(n: int | None) -> str:
 
 class StatusBar(Static):
     def __init__(self, **kwargs):
-        super().__init__("", markup=False, **kwargs)
+        super().__init__("", markup=False, **kwargs)  # one line, fixed height: a repaint, never a layout
         self.state = "starting"  # loading | ready | answering | warming | error
         self.model = ""
         self.answer: dict = {}  # the current or last answer's figures (Figures.to_dict())
@@ -37,15 +37,21 @@ class StatusBar(Static):
         a = self.answer
         ttft = f"{a['ttft'] * 1000:.0f} ms" if a.get("ttft") is not None else "-"
         speed = f"{a['tokens_per_s']:.1f}" if a.get("tokens_per_s") is not None else "-"
-        parts = [f"{self.model or 'no model'} · {self.state}",
+        model = self.model.removesuffix(".gguf") or "no model"
+        if len(model) > 32:
+            model = model[:31] + "…"
+        parts = [f"{model} · {self.state}",
                  f"TTFT {ttft}", f"{speed} tok/s",
                  f"prompt {_fmt_int(a.get('prompt_tokens'))} / cached {_fmt_int(a.get('cached_tokens'))}"]
         if self.engine is not None and self.engine.kv_total:
             e = self.engine
-            parts.append(f"KV {100 * e.kv_used / e.kv_total:.0f}% of {e.kv_total:,} · {e.kv_cached:,} cached")
+            parts.append(f"KV {100 * e.kv_used / e.kv_total:.0f}% of {e.kv_total:,}")
         else:
             parts.append("KV -")
-        return "  │  ".join(parts)
+        return " │ ".join(parts)
+
+    def render(self) -> str:
+        return self.render_text()
 
     def refresh_text(self) -> None:
-        self.update(self.render_text())
+        self.refresh()  # not update(): that would lay the whole screen out again
