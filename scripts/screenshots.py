@@ -26,8 +26,9 @@ from localllm.tui.app import ChatApp  # noqa: E402
 from localllm.tui.backend import GenerationSettings, LocalBackend  # noqa: E402
 from localllm.tui.conversations import ConversationStore  # noqa: E402
 
-SIZE = (132, 40)
-PROMPT = "Write a Python function that checks whether a number is prime, with a docstring."
+SIZE = (132, 50)
+PROMPT = "Write a Python function that checks whether a number is prime."
+FOLLOW_UP = "Now add type hints and a one-line docstring."
 
 
 async def main() -> None:
@@ -48,12 +49,13 @@ async def main() -> None:
                 widget.cursor_blink = False
             await wait_ready(pilot)
             await send(pilot, PROMPT)
+            await send(pilot, FOLLOW_UP)  # the second turn starts from the first one's cached KV
             await app._poll_engine()
             await pilot.pause()
             app.save_screenshot("chat-main.svg", str(ROOT / "docs"))
-            await pilot.press("ctrl+f", *"rust")
-            for widget in app.query("TextArea, Input"):
-                widget.cursor_blink = False
+            options = app.query_one("#conversations")
+            options.focus()
+            options.highlighted = 1
             await pilot.pause()
             app.save_screenshot("chat-conversations.svg", str(ROOT / "docs"))
         store.close()

@@ -46,6 +46,8 @@ def chat(engine_config: EngineConfig | None, model: str | None, *, endpoint: str
                                  f"no saved conversation {resume!r}; open `localllm chat` and press "
                                  "ctrl+b to see the saved ones")
         if endpoint is not None:
+            RemoteBackend(endpoint)  # a malformed URL is a usage error now, not inside the app
+
             def factory(name: str):
                 return RemoteBackend(endpoint, name or None, api_key)
             model = model or (conversation.model if conversation else "") or ""

@@ -336,6 +336,8 @@ class AsyncEngine:
                     self._deliver(out.request_id, out)
             elif kind == "call":
                 _, fn, fut = command
+                if not fut.set_running_or_notify_cancel():
+                    continue  # the caller gave up waiting (its asyncio wrapper was cancelled)
                 try:
                     fut.set_result(fn(self.engine))
                 except Exception as e:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Label, LoadingIndicator
 
@@ -27,6 +27,7 @@ from localllm.tui.screens.rename import RenameScreen
 from localllm.tui.screens.settings import SettingsScreen
 from localllm.tui.screens.system_prompt import SystemPromptScreen
 from localllm.tui.widgets.conversation_list import ConversationList
+from localllm.tui.widgets.message_list import MessageList
 from localllm.tui.widgets.message_view import MessageView, code_blocks
 from localllm.tui.widgets.prompt_input import PromptInput
 from localllm.tui.widgets.status_bar import StatusBar
@@ -92,7 +93,7 @@ class ChatApp(App[int]):
         with Horizontal(id="body"):
             yield ConversationList(id="sidebar")
             with Vertical(id="main"):
-                with VerticalScroll(id="messages"):
+                with MessageList(id="messages"):
                     yield Label("Type a message and press Enter · ctrl+j starts a new line · "
                                 "F1 lists every key", id="empty-hint")
                     with Vertical(id="loading"):
@@ -113,8 +114,8 @@ class ChatApp(App[int]):
         return found.first() if found else StatusBar()
 
     @property
-    def messages_view(self) -> VerticalScroll:
-        return self.query_one("#messages", VerticalScroll)
+    def messages_view(self) -> MessageList:
+        return self.query_one("#messages", MessageList)
 
     async def on_mount(self) -> None:
         self.prompt.focus()
@@ -214,7 +215,7 @@ class ChatApp(App[int]):
         answer_view = MessageView("assistant")
         await self.messages_view.mount_all([user_view, answer_view])
         self._update_hint()
-        self.messages_view.scroll_end(animate=False)
+        self.messages_view.follow()
         figures = Figures()
         self.status.set_state("answering")
         self.status.set_answer(figures)
@@ -227,11 +228,8 @@ class ChatApp(App[int]):
 
         async def paint() -> None:
             nonlocal painter
-            at_bottom = self.messages_view.max_scroll_y - self.messages_view.scroll_y < 4
             await answer_view.flush()
             self.status.set_answer(figures)
-            if at_bottom:
-                self.messages_view.scroll_end(animate=False)
             if painter is not None:
                 painter = self.set_timer(pacer.next_interval(), paint)
 
@@ -348,7 +346,7 @@ class ChatApp(App[int]):
         await view.mount_all([MessageView(m.role, m.content, stopped=m.stopped, excluded=m.excluded,
                                           stats=m.stats, message_id=m.id) for m in conv.messages])
         self._update_hint()
-        view.scroll_end(animate=False)
+        view.follow()
         last = next((m for m in reversed(conv.messages) if m.role == "assistant"), None)
         self.status.set_answer(last.stats if last else {})
 
@@ -358,11 +356,11 @@ class ChatApp(App[int]):
     async def _show_error(self, text: str) -> None:
         await self.messages_view.mount(MessageView("error", error=text))
         self._update_hint()
-        self.messages_view.scroll_end(animate=False)
+        self.messages_view.follow()
 
     async def _show_notice(self, text: str) -> None:
         await self.messages_view.mount(MessageView("notice", error=text))
-        self.messages_view.scroll_end(animate=False)
+        self.messages_view.follow()
 
     def _set_title(self) -> None:
         self.sub_title = self.conversation.title if self.conversation else NEW_CHAT_TITLE

@@ -153,3 +153,16 @@ def test_bad_requests_fail_only_their_own_stream(async_engine, references):
     # The engine serves the next request as before.
     again = run(collect(async_engine.generate(PROMPTS[1], GREEDY)))
     assert_matches(again, references[PROMPTS[1]])
+
+
+def test_a_call_whose_waiter_gave_up_leaves_the_engine_running(async_engine):
+    """The chat app polls the engine's figures with call(); when the app closes, the asyncio
+    wrapper is cancelled first. The engine thread must skip that call, not die on it."""
+    blocker = threading.Event()
+    first = async_engine.call(lambda engine: blocker.wait(WAIT_S))  # holds the engine thread
+    second = async_engine.call(lambda engine: engine.stats())
+    assert second.cancel()  # what asyncio.wrap_future does when its task is cancelled
+    blocker.set()
+    assert first.result(timeout=WAIT_S) is True
+    assert async_engine.call(lambda engine: engine.stats().num_running).result(timeout=WAIT_S) == 0
+    assert async_engine._thread.is_alive()

@@ -55,8 +55,8 @@ async def test_ctrl_j_inserts_a_newline_and_enter_on_empty_box_sends_nothing(mak
         await wait_ready(pilot)
         await pilot.press("enter")
         assert not app.is_answering and app.conversation is None
-        await pilot.press(*"one", "ctrl+j", *"two")
-        assert app.prompt.text == "one\ntwo"
+        await pilot.press(*"one", "ctrl+j", *"two", "shift+enter", *"three", "alt+enter")
+        assert app.prompt.text == "one\ntwo\nthree\n"
         assert store.list() == []
 
 
@@ -438,3 +438,25 @@ async def test_a_message_longer_than_the_context_is_refused_inline(make_app, sto
         await wait_for(pilot, lambda: app.query("MessageView.error"), 10, "the error")
         assert "does not fit" in app.query_one("MessageView.error").content
         assert app.prompt.text == text and store.list() == []
+
+
+async def test_the_view_follows_the_answer_until_the_person_scrolls_up(make_app):
+    app = make_app(max_tokens=1500)
+    async with app.run_test(size=(100, 20)) as pilot:
+        await wait_ready(pilot)
+        view = app.messages_view
+        app.prompt.load_text(LONG_PROMPT)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: view.max_scroll_y > 5 and view.scroll_y == view.max_scroll_y, 60,
+                       "the answer to outgrow the screen, followed")
+        view.scroll_home(animate=False, immediate=True)
+        assert not view.is_following
+        grown = view.max_scroll_y
+        await wait_for(pilot, lambda: view.max_scroll_y > grown + 2, 60, "more answer")
+        assert view.scroll_y == 0  # left where the person put it
+        view.scroll_end(animate=False, immediate=True)
+        assert view.is_following
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not app.is_answering, 10, "the answer to stop")
+        await pilot.pause(0.3)
+        assert view.scroll_y == view.max_scroll_y
