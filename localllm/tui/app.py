@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
@@ -137,7 +138,7 @@ class ChatApp(App[int]):
     async def _load(self, model: str) -> None:
         loading = self.query_one("#loading")
         loading.display = True
-        self.query_one("#loading-label", Label).update(f"Loading {model} …")
+        self.query_one("#loading-label", Label).update(f"Loading {Path(model).name or model} …")
         self.status.set_state("loading", model)
         old, self.backend = self.backend, None
         if old is not None:
@@ -307,10 +308,9 @@ class ChatApp(App[int]):
         backend = self.backend
         dropped: list[int] = []
         while True:
-            kept = [m for m in conv.messages if not m.excluded]
-            if not kept:
+            turn = conv.oldest_turn()
+            if not turn:
                 break
-            turn = [kept[0]] + [m for m in _until_next_user(kept[1:])]
             for m in turn:
                 m.excluded = True
                 dropped.append(m.id)
@@ -550,11 +550,3 @@ class ChatApp(App[int]):
             yield SystemCommand(title, help_text, getattr(self, f"action_{action}"))
         yield from super().get_system_commands(screen)
 
-
-def _until_next_user(messages: list[Message]) -> list[Message]:
-    out = []
-    for m in messages:
-        if m.role == "user":
-            break
-        out.append(m)
-    return out

@@ -63,6 +63,17 @@ class Conversation:
         out += [{"role": m.role, "content": m.content} for m in self.messages if not m.excluded]
         return out
 
+    def oldest_turn(self) -> list[Message]:
+        """The oldest messages still in the context that make one turn: a message and the
+        answers up to the next user message. Empty when nothing is left to drop."""
+        kept = [m for m in self.messages if not m.excluded]
+        turn = kept[:1]
+        for m in kept[1:]:
+            if m.role == "user":
+                break
+            turn.append(m)
+        return turn
+
 
 def title_for(text: str) -> str:
     line = " ".join(text.split())

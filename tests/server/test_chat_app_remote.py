@@ -8,12 +8,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tui"))
-from tui_helpers import SIZE, send, wait_for, wait_ready  # noqa: E402
+from tui_helpers import SIZE, send, stop_a_long_answer, wait_for, wait_ready  # noqa: E402
 
 from localllm.tui.app import ChatApp  # noqa: E402
 from localllm.tui.backend import GenerationSettings, RemoteBackend  # noqa: E402
 from localllm.tui.conversations import ConversationStore  # noqa: E402
-from localllm.tui.widgets.message_view import MessageView  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -47,11 +46,7 @@ async def test_escape_stops_a_remote_answer(live_server, store):
     app = make_app(live_server, store, max_tokens=1500)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
-        app.prompt.load_text("Write a 3000 word essay about the history of computing.")
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: len(app.query(MessageView).last().content) > 40, 60, "some answer text")
-        await pilot.press("escape")
-        await wait_for(pilot, lambda: not app.is_answering, 10, "the answer to stop")
+        await stop_a_long_answer(pilot)
         answer = store.get(app.conversation.id).messages[-1]
         assert answer.stopped and answer.stats["finish_reason"] == "abort"
 

@@ -14,12 +14,11 @@ from localllm.tui.screens.settings import SettingsScreen
 from localllm.tui.screens.system_prompt import SystemPromptScreen
 from localllm.tui.widgets.conversation_list import ConversationList
 from localllm.tui.widgets.message_view import MessageView, code_blocks
-from tui_helpers import SIZE, saved_conversation, send, wait_for, wait_ready
+from tui_helpers import LONG_PROMPT, SIZE, saved_conversation, send, stop_a_long_answer, wait_for, wait_ready
 
 pytestmark = pytest.mark.model
 
 CODE_ANSWER = "Here it is:\n\n```python\ndef add(a, b):\n    return a + b\n```\n\nAnd a test:\n\n```python\nassert add(1, 2) == 3\n```\n"
-LONG_PROMPT = "Write a 3000 word essay about the history of computing, with many sections."
 
 
 def views(app) -> list[tuple[str, str]]:
@@ -95,11 +94,7 @@ async def test_escape_stops_the_answer_and_frees_its_blocks(make_app, store):
     app = make_app(max_tokens=1500)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
-        app.prompt.load_text(LONG_PROMPT)
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: len(app.query(MessageView).last().content) > 40, 60, "some answer text")
-        await pilot.press("escape")
-        await wait_for(pilot, lambda: not app.is_answering, 10, "the answer to stop")
+        await stop_a_long_answer(pilot)
         answer = store.get(app.conversation.id).messages[-1]
         assert answer.stopped and answer.stats["finish_reason"] == "abort"
         assert 0 < answer.stats["tokens"] < 1500
@@ -388,14 +383,20 @@ LONG_TURN = ("Explain, in detail, every step of how a compiler turns source code
              "registers and emits machine code. " * 4)
 
 
+async def send_into_a_full_context(pilot) -> None:
+    """Send "Summarize." into a conversation that leaves it no room; the question appears."""
+    app = pilot.app
+    app.prompt.load_text("Summarize.")
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: isinstance(app.screen, ChoiceScreen), 10, "the context-full question")
+
+
 async def test_a_full_context_offers_dropping_the_oldest_turns(make_app, store):
     conv_id = saved_conversation(store, [LONG_TURN] * 3)
     app = make_app(n_ctx=512, max_tokens=16, conversation=store.get(conv_id))
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
-        app.prompt.load_text("Summarize.")
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: isinstance(app.screen, ChoiceScreen), 10, "the context-full question")
+        await send_into_a_full_context(pilot)
         assert "too long" in app.screen.title_text
         await pilot.click("#answer-drop")
         await wait_for(pilot, lambda: not app.is_answering, 60, "the answer")
@@ -412,15 +413,12 @@ async def test_a_full_context_can_start_a_new_chat_or_give_the_text_back(make_ap
     app = make_app(n_ctx=512, max_tokens=16, conversation=store.get(conv_id))
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
-        app.prompt.load_text("Summarize.")
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: isinstance(app.screen, ChoiceScreen), 10, "the context-full question")
+        await send_into_a_full_context(pilot)
         await pilot.click("#answer-cancel")
         await wait_for(pilot, lambda: not app.is_answering, 10, "the turn to end")
         assert app.prompt.text == "Summarize."
         assert len(store.get(conv_id).messages) == 6
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: isinstance(app.screen, ChoiceScreen), 10, "the context-full question")
+        await send_into_a_full_context(pilot)
         await pilot.click("#answer-new")
         await wait_for(pilot, lambda: not app.is_answering, 60, "the answer")
         assert app.conversation.id != conv_id

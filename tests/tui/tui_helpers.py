@@ -9,6 +9,7 @@ from localllm.tui.conversations import ConversationStore, Message
 SIZE = (120, 36)
 LOAD_TIMEOUT_S = 60
 ANSWER_TIMEOUT_S = 90
+LONG_PROMPT = "Write a 3000 word essay about the history of computing, with many sections."
 
 
 async def wait_for(pilot, condition, timeout: float, what: str) -> None:
@@ -52,3 +53,15 @@ def saved_conversation(store: ConversationStore, turns: list[tuple[str, str]], t
             "ttft": 0.125, "tokens_per_s": 60.5, "tokens": 12, "prompt_tokens": 40,
             "cached_tokens": 32, "finish_reason": "stop"}))
     return conv.id
+
+
+async def stop_a_long_answer(pilot) -> None:
+    """Ask for a long answer, press Esc once some of it has streamed, wait for the stop."""
+    from localllm.tui.widgets.message_view import MessageView
+
+    app = pilot.app
+    app.prompt.load_text(LONG_PROMPT)
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: len(app.query(MessageView).last().content) > 40, 60, "some answer text")
+    await pilot.press("escape")
+    await wait_for(pilot, lambda: not app.is_answering, 10, "the answer to stop")

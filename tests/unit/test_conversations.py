@@ -308,3 +308,19 @@ def test_title_for():
     assert title_for(long) == "y" * (TITLE_CHARS - 1) + "…"
     assert len(title_for(long)) == TITLE_CHARS
     assert title_for("") == ""
+
+
+def test_oldest_turn_is_a_user_message_and_its_answers(tmp_path):
+    store = ConversationStore(tmp_path / "c.db")
+    conv = store.create(title="t")
+    for role, text in [("user", "a"), ("assistant", "b"), ("assistant", "c"), ("user", "d"), ("assistant", "e")]:
+        store.add_message(conv.id, Message(role, text))
+    conv = store.get(conv.id)
+    assert [m.content for m in conv.oldest_turn()] == ["a", "b", "c"]
+    for m in conv.oldest_turn():
+        m.excluded = True
+    assert [m.content for m in conv.oldest_turn()] == ["d", "e"]
+    for m in conv.oldest_turn():
+        m.excluded = True
+    assert conv.oldest_turn() == []
+    store.close()
