@@ -96,7 +96,8 @@ def parse_hub_name(name: str, catalog: Catalog) -> HubRef | None:
                 raise UsageError(f"{name!r}: give hf.co/OWNER/REPO or hf.co/OWNER/REPO:QUANT")
             return HubRef(repo, quant=quant.upper() or None)
     parts = name.split("/")
-    if len(parts) >= 3 and name.lower().endswith(".gguf") and not Path(name).exists():
+    looks_like_path = name.startswith(("/", ".", "~")) or Path(name).is_absolute()
+    if len(parts) >= 3 and name.lower().endswith(".gguf") and not looks_like_path and not Path(name).exists():
         return HubRef("/".join(parts[:2]), file="/".join(parts[2:]))
     return None
 

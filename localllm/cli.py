@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -67,7 +66,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="path to a .gguf model file")
+    p.add_argument("model", help="a .gguf path, an installed name (`localllm ls`) or a catalog alias you pulled")
     p.add_argument("--ctx", type=_positive_int, default=DEFAULT_CTX, help="context size in tokens (KV cache)")
     p.add_argument("--threads", type=_nonneg_int, default=0, help="CPU threads (default: physical cores)")
     p.add_argument("--batch-tokens", type=_positive_int, default=None,
@@ -98,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible API on 127.0.0.1")
-    serve.add_argument("--model", dest="model", required=True, help="path to a .gguf model file")
+    serve.add_argument("--model", dest="model", required=True, help="a .gguf path, an installed name (`localllm ls`) or a catalog alias you pulled")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=_int_at_least(0), default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
@@ -114,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat in the terminal (a Textual app)",
                           description="Chat in the terminal. Press F1 in the app for every key.")
     chat.add_argument("model", nargs="?", default=None,
-                      help="path to a .gguf model file (default: the model of the last chat); "
-                           "with --endpoint, the server's model name")
+                      help="a .gguf path, an installed name or a pulled alias (default: the last "
+                           "chat's model); with --endpoint, the server's model name")
     chat.add_argument("--endpoint", default=None,
                       help="talk to this OpenAI-compatible server (e.g. http://127.0.0.1:8000/v1) "
                            "instead of loading the model here")
@@ -130,6 +129,21 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--threads", type=_nonneg_int, default=0, help="CPU threads (default: physical cores)")
     chat.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all, 0: none)")
 
+    pull = sub.add_parser("pull", help="download a model (alias, hf.co/OWNER/REPO[:QUANT], OWNER/REPO/FILE.gguf) "
+                                       "or import a local .gguf")
+    pull.add_argument("name", nargs="?", default=None, help="e.g. qwen2.5-coder:0.5b or hf.co/unsloth/Qwen3-4B-GGUF:Q8_0")
+    pull.add_argument("--list", action="store_true", help="show the catalog's aliases")
+    pull.add_argument("--quiet", action="store_true", help="no progress bar")
+    ls = sub.add_parser("ls", help="list installed models")
+    ls.add_argument("--json", action="store_true")
+    rm = sub.add_parser("rm", help="remove an installed model")
+    rm.add_argument("name")
+    rm.add_argument("-y", "--yes", action="store_true", help="do not ask")
+    show = sub.add_parser("show", help="a model's metadata, chat template and license")
+    show.add_argument("name", help="an installed name, a pulled alias or a .gguf path")
+    show.add_argument("--json", action="store_true")
+    show.add_argument("--template", action="store_true", help="print the chat template")
+
     bench = sub.add_parser("bench", help="measure the engine, or any OpenAI-compatible server, at several concurrencies")
     _add_engine_args(bench)
     bench.add_argument("--url", default=None,
@@ -140,10 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-tokens", type=_positive_int, default=128)
     bench.add_argument("--max-tokens", type=_positive_int, default=128)
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
+
+    doctor = sub.add_parser("doctor", help="what this machine and install can run (CPU, RAM, GPUs, llama.cpp, models)")
+    doctor.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return parser
 
 
-def _engine_config(args):
+def _engine_config(args, model_path: Path | None = None):
     from localllm.config import CacheConfig, EngineConfig, SchedulerConfig
 
     sched_kwargs = {}
@@ -154,12 +171,54 @@ def _engine_config(args):
     if args.parallel is not None:
         sched_kwargs["max_num_seqs"] = args.parallel
     return EngineConfig(
-        model_path=Path(args.model).expanduser(),
+        model_path=model_path if model_path is not None else _model_path(args.model),
         cache=CacheConfig(n_ctx=args.ctx),
         scheduler=SchedulerConfig(**sched_kwargs),
         n_threads=args.threads,
         n_gpu_layers=args.gpu_layers,
     )
+
+
+def _catalog():
+    from localllm.catalog import Catalog
+
+    # LOCALLLM_CATALOG: a models.toml of one's own instead of the built-in one (tests, mirrors).
+    path = os.environ.get("LOCALLLM_CATALOG")
+    return Catalog.load(Path(path) if path else None)
+
+
+def _model_path(name: str) -> Path:
+    from localllm.commands.models import open_store, resolve
+
+    return resolve(name, open_store(), _catalog())
+
+
+def cmd_pull(args) -> int:
+    from localllm.commands.models import list_catalog, pull
+
+    if args.list:
+        return list_catalog(_catalog())
+    if not args.name:
+        raise UsageError("name a model to pull, e.g. `localllm pull qwen2.5-coder:0.5b` (--list shows the catalog)")
+    return pull(args.name, _catalog(), quiet=args.quiet)
+
+
+def cmd_ls(args) -> int:
+    from localllm.commands.models import ls
+
+    return ls(as_json=args.json)
+
+
+def cmd_rm(args) -> int:
+    from localllm.commands.models import rm
+
+    return rm(args.name, yes=args.yes)
+
+
+def cmd_show(args) -> int:
+    from localllm.commands.models import show
+
+    return show(args.name, _catalog(), as_json=args.json, template=args.template)
 
 
 def _read_stdin() -> str:
@@ -210,10 +269,9 @@ def cmd_chat(args) -> int:
     engine_config = None
     if args.endpoint is None:
         args.batch_tokens = args.parallel = None
-        args.model = args.model or "-"  # the chat command resolves the real model
-        engine_config = _engine_config(args)
-    return chat(engine_config, None if args.model == "-" else args.model, endpoint=args.endpoint,
-                api_key=args.api_key, system=args.system, resume=args.resume, settings=settings)
+        engine_config = _engine_config(args, model_path=Path("-"))  # the chat command picks the model
+    return chat(engine_config, args.model, endpoint=args.endpoint, api_key=args.api_key, system=args.system,
+                resume=args.resume, settings=settings, catalog=_catalog())
 
 
 def cmd_serve(args) -> int:
@@ -223,6 +281,12 @@ def cmd_serve(args) -> int:
     server_config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                                  cors_origins=tuple(args.cors_origin), max_queue=args.max_queue)
     return serve(_engine_config(args), server_config)
+
+
+def cmd_doctor(args) -> int:
+    from localllm.commands.doctor import doctor
+
+    return doctor(as_json=args.json)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 2
-        handler = {"run": cmd_run, "bench": cmd_bench, "serve": cmd_serve, "chat": cmd_chat}[args.command]
+        handler = {"run": cmd_run, "bench": cmd_bench, "serve": cmd_serve, "chat": cmd_chat,
+                   "pull": cmd_pull, "ls": cmd_ls, "rm": cmd_rm, "show": cmd_show,
+                   "doctor": cmd_doctor}[args.command]
         return handler(args)
     except LocalLLMError as e:
         return _fail(str(e), e.exit_code)

@@ -41,3 +41,9 @@ class EngineError(LocalLLMError):
     """The engine failed at run time (llama.cpp returned an error, the engine thread died)."""
 
     exit_code = 1
+
+
+class DownloadError(LocalLLMError):
+    """A pull failed: the hub cannot be reached or refused access, or the disk is full."""
+
+    exit_code = 1

@@ -3,36 +3,41 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 from localllm import paths
 from localllm.config import EngineConfig
-from localllm.errors import ModelLoadError, UsageError
+from localllm.errors import UsageError
 
 
 def installed_models(store, current: str) -> list[tuple[str, str]]:
-    """(model, label) for the picker: .gguf files in the models folder, models earlier chats
-    used that are still on disk, and the current one. Until `localllm pull` keeps a store of
-    its own, these paths are the installed models."""
-    found: dict[str, Path] = {}
+    """(model, label) for the picker: the installed models (`localllm ls`), .gguf files in the
+    models folder, models earlier chats used that are still on disk, and the current one."""
+    from localllm.commands.models import open_store
+
+    names: dict[str, str] = {m.files[0]: m.name for m in open_store().list() if m.is_present}
     folder = paths.models_dir()
-    candidates = sorted(folder.glob("**/*.gguf")) if folder.is_dir() else []
+    candidates = [Path(f) for f in names]
+    candidates += sorted(folder.glob("**/*.gguf")) if folder.is_dir() else []
     candidates += [Path(c.model) for c in store.list() if c.model]
     if current:
         candidates.insert(0, Path(current))
+    found: dict[str, Path] = {}
     for path in candidates:
         if path.is_file():
             found.setdefault(str(path.resolve()), path)
     out = []
-    for resolved, path in found.items():
+    for path in found.values():
         size_mb = path.stat().st_size / 1e6
-        out.append((str(path), f"{path.name}   {size_mb:,.0f} MB   {path.parent}"))
+        label = names.get(str(path)) or path.name
+        out.append((str(path), f"{label}   {size_mb:,.0f} MB   {path.parent}"))
     return out
 
 
 def chat(engine_config: EngineConfig | None, model: str | None, *, endpoint: str | None = None,
          api_key: str | None = None, system: str = "", resume: str | None = None,
-         settings=None) -> int:
+         settings=None, catalog=None) -> int:
     from localllm.tui.backend import LocalBackend, RemoteBackend
     from localllm.tui.conversations import ConversationStore
 
@@ -52,13 +57,7 @@ def chat(engine_config: EngineConfig | None, model: str | None, *, endpoint: str
                 return RemoteBackend(endpoint, name or None, api_key)
             model = model or (conversation.model if conversation else "") or ""
         else:
-            model = model or (conversation.model if conversation else None) or _last_model(store)
-            if not model:
-                raise UsageError("no model given; run `localllm chat PATH/TO/MODEL.gguf` "
-                                 f"(or put .gguf files in {paths.models_dir()})")
-            if not Path(model).expanduser().is_file():
-                raise ModelLoadError(f"model file {model} does not exist; give the path to a .gguf file")
-            model = str(Path(model).expanduser())
+            model = str(_pick_model(model, conversation, store, catalog))
 
             def factory(name: str):
                 return LocalBackend(dataclasses.replace(engine_config, model_path=Path(name)))
@@ -74,8 +73,33 @@ def chat(engine_config: EngineConfig | None, model: str | None, *, endpoint: str
         store.close()
 
 
-def _last_model(store) -> str | None:
-    for conv in store.list():
-        if conv.model and Path(conv.model).is_file():
-            return conv.model
-    return None
+def _pick_model(name: str | None, conversation, store, catalog) -> Path:
+    """MODEL resolved (path, installed name, pulled alias); without one: the resumed or last
+    chat's model, else the catalog's default or any installed model; with none installed,
+    offer to pull the default."""
+    from localllm.catalog import Catalog
+    from localllm.commands.models import open_store, pull, resolve
+
+    catalog = catalog or Catalog.load()
+    models = open_store()
+    if name:
+        return resolve(name, models, catalog)
+    earlier = ([conversation.model] if conversation and conversation.model else []) + \
+        [c.model for c in store.list() if c.model]
+    for candidate in earlier:
+        if Path(candidate).is_file():
+            return Path(candidate)
+    installed = [m for m in models.list() if m.is_present]
+    if installed:
+        default = next((m for m in installed if m.name == catalog.default), installed[0])
+        return default.path
+    default = catalog.default
+    if not default:
+        raise UsageError("no model is installed; `localllm pull NAME` installs one")
+    if not sys.stdin.isatty():
+        raise UsageError(f"no model is installed; run `localllm pull {default}`, then `localllm chat`")
+    answer = input(f"No model is installed. Pull {default} ({catalog.models[default].repo}) now? [Y/n] ")
+    if answer.strip().lower() not in ("", "y", "yes"):
+        raise UsageError(f"nothing to chat with; `localllm pull {default}` (or any model) first")
+    pull(default, catalog)
+    return resolve(default, models, catalog)

@@ -18,9 +18,9 @@ def test_chat_with_a_missing_model_file(tmp_path):
     assert_usage_error(proc, f"model file {tmp_path / 'nope.gguf'} does not exist")
 
 
-def test_chat_with_no_model_and_no_earlier_chat(tmp_path):
-    proc = localllm("chat", env=_env(tmp_path))
-    assert_usage_error(proc, "no model given; run `localllm chat PATH/TO/MODEL.gguf`")
+def test_chat_with_no_model_installed_and_no_terminal_to_ask_in(tmp_path):
+    proc = localllm("chat", env=_env(tmp_path))  # stdin is not a terminal: no question, the command to run
+    assert_usage_error(proc, "no model is installed; run `localllm pull qwen2.5-coder:0.5b`, then `localllm chat`")
 
 
 def test_resume_with_nothing_saved(tmp_path):

@@ -1,0 +1,300 @@
+"""`localllm doctor`: what this machine and this install can run, and the command that fixes
+an install whose llama.cpp cannot use the GPU the machine has.
+
+The report is one dict (``--json`` prints it as it is); the text form is rendered from it.
+Memory figures are bytes. Every probe that fails is reported in its section, and the command
+always exits 0: it is the command to run when something else is broken.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import platform
+import shutil
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from localllm import __version__, paths
+from localllm.config import CacheConfig, SchedulerConfig
+from localllm.errors import LocalLLMError
+from localllm.runners import device
+
+DEFAULT_CTX = CacheConfig().n_ctx
+DEFAULT_SEQS = SchedulerConfig().max_num_seqs
+KV_BYTES_PER_VALUE = 2  # the runner's KV cache is f16
+
+
+def doctor(as_json: bool = False) -> int:
+    report = collect()
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(render(report), end="")
+    return 0
+
+
+# -- collecting --------------------------------------------------------------------------------
+
+
+def _probe(fn, *args):
+    """fn's answer; a probe that fails becomes {"error": ...} in the report, never a crash."""
+    try:
+        return fn(*args)
+    except Exception as e:  # doctor runs on broken installs: report everything, stop at nothing
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _llama_report() -> dict:
+    from localllm.runners.llamacpp import backend_report  # imports llama_cpp: only here
+
+    return backend_report()
+
+
+def collect() -> dict:
+    cpu = _probe(device.cpu_info)
+    memory = _probe(device.memory_info)
+    report = {
+        "localllm": __version__,
+        "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
+                   "executable": sys.executable},
+        "platform": {"system": platform.system(), "machine": platform.machine(), "description": platform.platform()},
+        "cpu": asdict(cpu) if isinstance(cpu, device.CPUInfo) else cpu,
+        "memory": asdict(memory) if isinstance(memory, device.MemoryInfo) else memory,
+        "gpus": {
+            "nvidia_driver": device.has_nvidia_driver(),
+            "nvidia_smi": _probe(device.nvidia_gpus),
+            "apple_silicon": device.is_apple_silicon(),
+            "rosetta": device.is_rosetta(),
+            "torch": _probe(device.torch_devices),
+        },
+        "llama_cpp": _probe(_llama_report),
+        "defaults": {"n_ctx": DEFAULT_CTX, "max_num_seqs": DEFAULT_SEQS, "kv_bytes_per_value": KV_BYTES_PER_VALUE},
+    }
+    report["models"] = _probe(_models, report)
+    report["advice"] = _advice(report)
+    return report
+
+
+def _ram_available(report: dict) -> int | None:
+    memory = report["memory"]
+    return memory.get("available") if isinstance(memory, dict) else None
+
+
+def _placement(report: dict) -> tuple[str, str, int | None]:
+    """Where the llama.cpp runner puts a model's layers: (device, memory kind, free bytes)."""
+    llama = report["llama_cpp"]
+    gpus = [d for d in llama.get("devices") or () if d["type"] in ("GPU", "IGPU")]
+    if llama.get("gpu_offload") and gpus:
+        names = " + ".join(f"{d['name']} ({d['description']})" for d in gpus)
+        return names, "VRAM" if gpus[0]["type"] == "GPU" else "GPU memory", sum(d["memory_free"] for d in gpus)
+    return "CPU", "RAM", _ram_available(report)
+
+
+def _models(report: dict) -> list[dict]:
+    from localllm.gguf import read_info
+    from localllm.store import ModelStore
+
+    entries = []
+    for model in ModelStore(paths.models_manifest()).list():
+        entry: dict = {"name": model.name, "path": str(model.path), "files": model.files}
+        entries.append(entry)
+        if not model.is_present:
+            missing = next(f for f in model.files if not Path(f).is_file())
+            entry["error"] = f"its file {missing} is gone; `localllm rm {model.name}` forgets it"
+            continue
+        try:
+            info = read_info(model.path)
+        except LocalLLMError as e:
+            entry["error"] = str(e)
+            continue
+        kv = info.kv_bytes_per_token(KV_BYTES_PER_VALUE)
+        entry.update({
+            "architecture": info.architecture, "file_type": info.file_type, "parameters": info.parameters,
+            "trained_context": info.context_length, "sliding_window": info.sliding_window,
+            "file_bytes": info.size_bytes, "weights_bytes": info.tensor_bytes, "kv_bytes_per_token": kv,
+            "runner": "llamacpp",  # the one runner so far
+        })
+        where, kind, budget = _placement(report)
+        if kind != "RAM" and kv is not None and budget is not None \
+                and info.tensor_bytes + DEFAULT_CTX * kv > budget:
+            entry["note"] = f"does not fit in {where}'s free memory; the runner falls back to the CPU"
+            where, kind, budget = "CPU", "RAM", _ram_available(report)
+        entry.update({"device": where, "memory_kind": kind, "memory_available": budget})
+        if kv is not None and budget is not None:
+            fit = device.fit_model(info.tensor_bytes, kv, budget, DEFAULT_CTX, DEFAULT_SEQS)
+            entry["fit"] = {**asdict(fit), "fits_defaults": fit.fits_defaults, "fits_all_seqs": fit.fits_all_seqs}
+    return entries
+
+
+def _llama_requirement() -> str:
+    """The llama-cpp-python this localllm was installed with, pin included."""
+    try:
+        for req in importlib.metadata.requires("localllm") or ():
+            if req.replace("_", "-").lower().startswith("llama-cpp-python"):
+                return req.split(";")[0].strip()
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return "llama-cpp-python"
+
+
+def _in_pipx() -> bool:
+    return (Path(sys.prefix) / "pipx_metadata.json").is_file()  # pipx writes it into each venv
+
+
+def _pip_install(in_pipx: bool, python: str) -> str:
+    return "pipx runpip localllm install" if in_pipx else f"{python} -m pip install"
+
+
+def reinstall_command(cmake_args: str, in_pipx: bool, requirement: str, python: str) -> str:
+    """The command that rebuilds llama-cpp-python with a GPU backend, for this install."""
+    return (f'CMAKE_ARGS="{cmake_args}" {_pip_install(in_pipx, python)} '
+            f"--force-reinstall --no-cache-dir {requirement}")
+
+
+def _advice(report: dict) -> list[str]:
+    llama, gpus = report["llama_cpp"], report["gpus"]
+    requirement, in_pipx = _llama_requirement(), _in_pipx()
+    advice = []
+    if "error" in llama:
+        advice.append(f"llama.cpp cannot be loaded ({llama['error']}); reinstall it: "
+                      f"{_pip_install(in_pipx, sys.executable)} --force-reinstall --no-cache-dir {requirement}")
+    elif not llama.get("gpu_offload"):
+        if gpus["nvidia_driver"]:
+            command = reinstall_command("-DGGML_CUDA=on", in_pipx, requirement, sys.executable)
+            line = f"an NVIDIA GPU is present but this llama.cpp has no GPU offload; rebuild it with CUDA: {command}"
+            if shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").exists():
+                line += " (the build needs the CUDA toolkit: nvcc is not on PATH)"
+            advice.append(line)
+        if gpus["apple_silicon"]:
+            if gpus["rosetta"]:
+                advice.append("this Python runs under Rosetta (x86_64), so llama.cpp cannot use Metal; "
+                              "install localllm with an arm64 Python")
+            command = reinstall_command("-DGGML_METAL=on", in_pipx, requirement, sys.executable)
+            advice.append(f"Apple silicon is present but this llama.cpp has no GPU offload; rebuild it with Metal: {command}")
+    if report["models"] == []:
+        advice.append("no models installed; `localllm pull qwen2.5-coder:0.5b` installs a small one")
+    return advice
+
+
+# -- rendering ---------------------------------------------------------------------------------
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _size(n: int) -> str:
+    return f"{n:,} bytes ({n / 2**20:.1f} MiB)"
+
+
+def _yes(flag) -> str:
+    return "yes" if flag else "no"
+
+
+def render(report: dict) -> str:
+    lines = [f"localllm {report['localllm']} doctor", "", "System"]
+    py, plat, cpu, mem = report["python"], report["platform"], report["cpu"], report["memory"]
+    lines.append(f"  python: {py['version']} ({py['implementation']}) {py['executable']}")
+    lines.append(f"  platform: {plat['description']}")
+    if "error" in cpu:
+        lines.append(f"  cpu: unknown ({cpu['error']})")
+    else:
+        lines.append(f"  cpu: {cpu['model'] or 'unknown model'} ({cpu['machine']})")
+        lines.append(f"  cores: {cpu['physical_cores']} physical, {cpu['logical_cores']} logical")
+        lines.append(f"  cpu features: {' '.join(cpu['features']) or 'none of avx2, avx512, fma, f16c, neon'}")
+    if mem is None or "error" in mem:
+        lines.append(f"  ram: unknown{' (' + mem['error'] + ')' if mem else ''}")
+    else:
+        limit = f", limited to {_gib(mem['limit'])} by a cgroup" if mem["limit"] else ""
+        lines.append(f"  ram: {_gib(mem['total'])} total, {_gib(mem['available'])} available{limit}")
+
+    gpus = report["gpus"]
+    lines += ["GPUs", f"  nvidia driver: {_yes(gpus['nvidia_driver'])}"]
+    for i, gpu in enumerate(gpus["nvidia_smi"] if isinstance(gpus["nvidia_smi"], list) else ()):
+        lines.append(f"  nvidia-smi {i}: {gpu['name']}, {_gib(gpu['memory_free'])} free of {_gib(gpu['memory_total'])}")
+    lines.append(f"  apple silicon: {_yes(gpus['apple_silicon'])}{' (this Python runs under Rosetta)' if gpus['rosetta'] else ''}")
+    torch = gpus["torch"]
+    if not torch.get("installed"):
+        lines.append("  torch: not installed")
+    elif "version" not in torch:
+        lines.append(f"  torch: {torch.get('error')}")
+    else:
+        lines.append(f"  torch: {torch['version']} (CUDA {torch['cuda_version'] or 'none'}), "
+                     f"{len(torch['cuda'])} CUDA device(s), MPS {_yes(torch['mps'])}")
+        for i, gpu in enumerate(torch["cuda"]):
+            lines.append(f"  cuda:{i}: {gpu['name']}, {_gib(gpu['memory_free'])} free of {_gib(gpu['memory_total'])}")
+        if "error" in torch:
+            lines.append(f"  torch error: {torch['error']}")
+
+    llama = report["llama_cpp"]
+    lines.append("llama.cpp")
+    if "error" in llama:
+        lines.append(f"  cannot be loaded: {llama['error']}")
+    else:
+        lines.append(f"  llama-cpp-python: {llama['version']}")
+        lines.append(f"  GPU offload: {_yes(llama['gpu_offload'])}")
+        if llama["devices"] is None:
+            lines.append(f"  backends: unknown ({llama['note']})")
+        else:
+            lines.append(f"  backends: {', '.join(llama['backends']) or 'none'}")
+            for i, d in enumerate(llama["devices"]):
+                lines.append(f"  device {i}: {d['name']} ({d['description']}), {d['type']}, "
+                             f"{_gib(d['memory_free'])} free of {_gib(d['memory_total'])}")
+        lines.append(f"  system info: {llama['system_info']}")
+
+    lines += _render_models(report)
+    if report["advice"]:
+        lines.append("Advice")
+        lines += [f"  - {line}" for line in report["advice"]]
+    return "\n".join(lines) + "\n"
+
+
+def _render_models(report: dict) -> list[str]:
+    models, defaults = report["models"], report["defaults"]
+    ctx, seqs = defaults["n_ctx"], defaults["max_num_seqs"]
+    lines = ["Models (estimates: weights + f16 KV cache; llama.cpp's compute buffers come on top)"]
+    if isinstance(models, dict):
+        lines.append(f"  cannot list them: {models['error']}")
+        return lines
+    if not models:
+        lines.append("  no models installed")
+        return lines
+    for m in models:
+        lines.append(f"  {m['name']}: {m['path']}")
+        if "error" in m:
+            lines.append(f"    error: {m['error']}")
+            continue
+        params = f"{m['parameters']:,} parameters"
+        trained = f", trained context {m['trained_context']}" if m["trained_context"] else ""
+        lines.append(f"    model: {m['architecture']} {m['file_type'] or ''}, {params}{trained}".replace(" ,", ","))
+        lines.append(f"    runner: {m['runner']} on {m['device']}")
+        if "note" in m:
+            lines.append(f"    note: {m['note']}")
+        lines.append(f"    weights: {_size(m['weights_bytes'])}")
+        if m["kv_bytes_per_token"] is None:
+            lines.append("    KV cache: unknown (the file does not describe its attention)")
+            continue
+        lines.append(f"    KV cache: {m['kv_bytes_per_token']:,} bytes per token (f16)")
+        if m["sliding_window"]:
+            lines.append(f"    sliding window: {m['sliding_window']} tokens on some layers, so the real KV cache is smaller")
+        fit = m.get("fit")
+        if fit is None:
+            lines.append(f"    fit: unknown ({m['memory_kind']} size unknown)")
+            continue
+        room = f"{_gib(fit['budget'])} available {m['memory_kind']}"
+        lines.append(f"    defaults (context {ctx} shared by up to {seqs} sequences): "
+                     f"{_size(fit['default_bytes'])}; {'fits' if fit['fits_defaults'] else 'does NOT fit'} in {room}")
+        lines.append(f"    {seqs} conversations of {ctx} tokens each (--ctx {seqs * ctx}): "
+                     f"{_size(fit['all_seqs_bytes'])}; {'fits' if fit['fits_all_seqs'] else 'does NOT fit'}")
+        if fit["max_context_tokens"] == 0:
+            lines.append(f"    most that fits: nothing, the weights alone exceed {room}")
+            continue
+        longest = fit["max_context_tokens"]
+        trained = m["trained_context"]
+        limit = (f"{trained:,} tokens (the model's trained limit; memory allows {longest:,})"
+                 if trained and trained < longest else f"{longest:,} tokens")
+        lines.append(f"    longest context that fits: {limit}")
+        lines.append(f"    {ctx}-token conversations that fit at once: {fit['max_conversations']:,}")
+    return lines
