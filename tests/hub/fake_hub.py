@@ -208,17 +208,17 @@ def _make_handler(hub: FakeHub):
         def _dispatch(self, method: str) -> None:
             path = unquote(urlsplit(self.path).path)
             self.req = Request(method, path, self.headers.get("Range"), self.headers.get("Authorization"))
-            try:
-                if m := _API.match(path):
-                    self._model_info(m.group(1), m.group(2) or "main")
-                elif m := _RESOLVE.match(path):
-                    self._resolve(method, m.group(1), m.group(2), m.group(3))
-                elif m := _CDN.match(path):
-                    self._cdn(method, m.group(1))
-                else:
-                    self._error(404, "NotFound", "Not found")
-            finally:
-                hub._log(self.req)
+            # Logged before answering, and bytes counted before they are written: the client may
+            # finish (and a test read the log) before this thread returns from its last write.
+            hub._log(self.req)
+            if m := _API.match(path):
+                self._model_info(m.group(1), m.group(2) or "main")
+            elif m := _RESOLVE.match(path):
+                self._resolve(method, m.group(1), m.group(2), m.group(3))
+            elif m := _CDN.match(path):
+                self._cdn(method, m.group(1))
+            else:
+                self._error(404, "NotFound", "Not found")
 
         # --- the API -------------------------------------------------------------------------
 
@@ -334,8 +334,12 @@ def _make_handler(hub: FakeHub):
                 self.close_connection = True
 
         def _write(self, data: bytes) -> None:
-            self.wfile.write(data)
             self.req.bytes_sent += len(data)
+            try:
+                self.wfile.write(data)
+            except OSError:
+                self.req.bytes_sent -= len(data)  # never reached the socket
+                raise
 
         def _hang_up(self) -> None:
             """Close mid-body, as a lost connection does: the client sees the stream end early."""
