@@ -139,10 +139,11 @@ def show(name: str, catalog: Catalog, as_json: bool = False, template: bool = Fa
     path = resolve(name, store, catalog)
     info = read_info(path)
     installed = store.get(name)
-    record = {"name": installed.name if installed else name, "path": str(path),
+    record = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(info).items()},
+              "model_name": info.name,  # general.name, what the file calls itself
+              "name": installed.name if installed else name, "path": str(path),
               "source": installed.source if installed else "path",
               "repo": installed.repo if installed else "",
-              **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(info).items()},
               "kv_bytes_per_token": info.kv_bytes_per_token()}
     if template:
         print(info.chat_template or "(this model has no chat template)")
@@ -152,7 +153,7 @@ def show(name: str, catalog: Catalog, as_json: bool = False, template: bool = Fa
         print()
         return 0
     lines = [
-        ("name", record["name"]), ("file", record["path"]),
+        ("name", record["name"]), ("model", info.name or "-"), ("file", record["path"]),
         ("source", record["source"] + (f" ({record['repo']})" if record["repo"] else "")),
         ("architecture", info.architecture), ("parameters", _params(info.parameters)),
         ("quant", info.file_type or "-"), ("size", _size(info.size_bytes)),

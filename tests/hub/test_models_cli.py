@@ -62,6 +62,7 @@ def test_pull_ls_show_run_rm_round_trip(hub_env, gemma_hub, gemma_path):
     shown = localllm(hub_env, "show", ALIAS, catalog=gemma_hub)
     assert shown.returncode == 0, shown.stderr
     fields = dict(line.split(None, 1) if " " in line else (line, "") for line in shown.stdout.splitlines())
+    assert fields["name"].strip() == ALIAS  # the installed name, not the file's general.name
     assert fields["architecture"].strip() == "gemma3"
     assert fields["source"].strip() == f"hub ({GEMMA_REPO})"
     assert "none" in shown.stdout.split("chat template", 1)[1]
