@@ -10,7 +10,7 @@ from pathlib import Path
 from localllm import paths
 from localllm.catalog import Catalog, parse_hub_name
 from localllm.errors import ModelLoadError, UsageError
-from localllm.store import InstalledModel, ModelStore
+from localllm.store import ModelStore
 
 
 def open_store() -> ModelStore:
@@ -189,6 +189,3 @@ def _table(rows: list[tuple]) -> None:
     for row in rows:
         print("  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip())
 
-
-def installed_for_chat(store: ModelStore) -> list[InstalledModel]:
-    return [m for m in store.list() if m.is_present]

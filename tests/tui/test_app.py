@@ -21,6 +21,13 @@ pytestmark = pytest.mark.model
 CODE_ANSWER = "Here it is:\n\n```python\ndef add(a, b):\n    return a + b\n```\n\nAnd a test:\n\n```python\nassert add(1, 2) == 3\n```\n"
 
 
+def focus_first_chat(app) -> None:
+    """Put the focus on the side panel's list, on its first (most recent) chat."""
+    options = app.query_one(ConversationList).query_one(OptionList)
+    options.focus()
+    options.highlighted = 0
+
+
 def views(app) -> list[tuple[str, str]]:
     return [(v.role, v.content) for v in app.query(MessageView)]
 
@@ -167,9 +174,7 @@ async def test_selecting_a_chat_resumes_it_and_reuses_its_prefix(make_app, store
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
-        options = app.query_one(ConversationList).query_one(OptionList)
-        options.focus()
-        options.highlighted = 0
+        focus_first_chat(app)
         await pilot.press("enter")
         await wait_ready(pilot)  # loaded, and the conversation's KV warmed
         assert app.conversation.id == conv_id
@@ -226,9 +231,7 @@ async def test_delete_key_in_the_list_deletes_the_highlighted_chat(make_app, sto
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
-        options = app.query_one(ConversationList).query_one(OptionList)
-        options.focus()
-        options.highlighted = 0
+        focus_first_chat(app)
         await pilot.press("delete")
         assert isinstance(app.screen, ChoiceScreen)
         await pilot.press("enter")  # the first button, Delete, has the focus
