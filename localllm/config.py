@@ -82,6 +82,7 @@ class EngineConfig:
     n_threads: int = 0  # 0: physical cores
     n_gpu_layers: int = -1  # -1: every layer that the GPU backend takes; 0: CPU only
     runner: str = "llamacpp"
+    speculative: bool = True  # prompt-lookup drafting where it pays (see engine/spec_decode.py)
 
     def __post_init__(self) -> None:
         if self.n_threads < 0:

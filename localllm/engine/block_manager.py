@@ -37,6 +37,9 @@ class KVListener(Protocol):
         ``kept_block_ids`` (hashed, still valid) are to stay cached. Returns the cached blocks
         that the storage can no longer hold, so that they stop being offered as hits."""
 
+    def truncate(self, seq: Sequence, num_tokens: int, dropped_block_ids: list[int]) -> None:
+        """Forget ``seq``'s positions from ``num_tokens`` on; ``dropped_block_ids`` leave it."""
+
     def evict(self, block_id: int) -> None:
         """A cached block's contents are dropped: its memory is about to be reused."""
 
@@ -182,6 +185,15 @@ class BlockManager:
             if parent not in self._cached and self._block_hash[block_id] is None:
                 self._cached[parent] = block_id
                 self._block_hash[block_id] = parent
+
+    def truncate(self, seq: Sequence) -> None:
+        """Give back the blocks past ``seq.num_computed_tokens`` (rejected draft tokens), and
+        have the listener forget those positions. They were never named by a hash."""
+        keep = self.num_blocks_for(seq.num_computed_tokens)
+        if self.listener is not None:
+            self.listener.truncate(seq, seq.num_computed_tokens, seq.block_table[keep:])
+        extra, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
+        self._release_blocks(extra)
 
     def free(self, seq: Sequence) -> None:
         """Give back all of ``seq``'s blocks. The tail blocks go to the free list first, so a

@@ -18,7 +18,8 @@ from localllm.engine.block_manager import BlockManager
 from localllm.engine.metrics import EngineStats, RequestMetrics
 from localllm.engine.request import FinishReason, SamplingParams, Sequence
 from localllm.engine.sampler import Sampler, top_logprobs
-from localllm.engine.scheduler import Scheduler, SchedulerOutput
+from localllm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from localllm.engine.spec_decode import Drafter
 from localllm.errors import LocalLLMError, UsageError
 from localllm.runners.base import Constraint, ModelRunner
 from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -58,11 +59,17 @@ class LLMEngine:
             self.runner.n_ctx // block_size, block_size, self.runner.fingerprint, listener=self.runner
         )
         self.max_model_len = self.block_manager.num_blocks * block_size
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        # Sliding-window models drop cells as the window moves; a rollback could not restore
+        # them, so they are never drafted for.
+        self.drafter = None if getattr(self.runner, "n_swa", 0) else Drafter()
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
+                                   proposer=self._propose if self.drafter is not None else None)
         self.sampler = Sampler()
         self._seqs: dict[str, Sequence] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._constraints: dict[str, Constraint] = {}  # request id -> its grammar's state
+        self.num_draft_proposed = 0
+        self.num_draft_accepted = 0
         self.last_step: SchedulerOutput | None = None  # what the latest step computed
         self.num_steps = 0
         self.num_prompt_tokens_computed = 0
@@ -115,9 +122,16 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         out = self.last_step = self.scheduler.schedule()
         logits = self.runner.execute(out)
-        return self._update(out, logits)
+        outputs = self._update(out, logits)
+        if self.drafter is not None:  # what this step's size costs on this machine
+            self.drafter.cost.record(
+                sum(s.num_new_tokens for s in out.scheduled), time.perf_counter() - start,
+                decode_only=all(s.num_new_tokens == 1 + s.num_draft_tokens and s.needs_logits
+                                for s in out.scheduled))
+        return outputs
 
     def _update(self, out: SchedulerOutput, logits) -> list[RequestOutput]:
         now = time.perf_counter()
@@ -128,6 +142,12 @@ class LLMEngine:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens_computed += min(sched.num_new_tokens,
                                                        seq.num_prompt_tokens - seq.num_computed_tokens)
+            if sched.num_draft_tokens:
+                num_rows = sched.num_logits  # (before num_computed_tokens moves)
+                seq.num_computed_tokens += sched.num_new_tokens
+                outputs.append(self._verify(sched, logits[row:row + num_rows], now))
+                row += num_rows
+                continue
             seq.num_computed_tokens += sched.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
             if not needs_logits:
@@ -138,10 +158,53 @@ class LLMEngine:
                 outputs.append(self._finish(seq, FinishReason.ERROR, RequestOutput(seq.request_id)))
                 continue
             result = self._append_token(seq, *sampled, now)
+            if self.drafter is not None and not result.finished:
+                self.drafter.on_tokens(seq.seq_id, result.token_ids)
             if seq.params.top_logprobs:
                 result.top_logprobs = [top_logprobs(logits[row - 1], seq.params.top_logprobs)]
             outputs.append(result)
         return outputs
+
+    def _propose(self, candidates: list[tuple[Sequence, int]], num_tokens: int, num_outputs: int,
+                 budget: int) -> dict[int, list[int]]:
+        """This step's drafts, for the decoding sequences that may draft (see Drafter.plan)."""
+        eligible = []
+        for seq, room in candidates:
+            wants = seq.params.speculative
+            if (wants is False or (wants is None and not self.config.speculative)
+                    or not _can_draft(seq.params) or seq.request_id in self._constraints):
+                continue
+            eligible.append((seq.seq_id, seq.token_ids, room, wants is True))
+        return self.drafter.plan(eligible, num_tokens, num_outputs, budget) if eligible else {}
+
+    def _verify(self, sched: ScheduledSeq, rows: np.ndarray, now: float) -> RequestOutput:
+        """Check a sequence's drafts against the model (rows: one per position, the last known
+        token's first): keep the accepted run plus one token of the model's own, roll the KV of
+        the rest back. A stop, EOS or max_tokens inside the run ends it at that token."""
+        seq = sched.seq
+        draft, seq.draft_token_ids = seq.draft_token_ids, []
+        emitted, num_accepted = self.sampler.verify(seq, draft, rows)
+        seq.num_draft_proposed += len(draft)
+        seq.num_draft_accepted += num_accepted
+        self.num_draft_proposed += len(draft)
+        self.num_draft_accepted += num_accepted
+        self.drafter.on_verified(seq.seq_id, len(draft), num_accepted)
+        # Valid KV: the last known token and the accepted drafts; the rest is rolled back.
+        seq.num_computed_tokens += 1 + num_accepted - sched.num_new_tokens
+        self.block_manager.truncate(seq)
+        merged = RequestOutput(seq.request_id)
+        for token_id in emitted:
+            out = self._append_token(seq, token_id, None, now)
+            merged.token_ids += out.token_ids
+            merged.text += out.text
+            if out.num_cached_tokens is not None:
+                merged.num_cached_tokens = out.num_cached_tokens
+            if out.finished:
+                merged.finished, merged.finish_reason, merged.metrics = True, out.finish_reason, out.metrics
+                break
+        if not merged.finished:
+            self.block_manager.cache_full_blocks(seq)
+        return merged
 
     def _sample(self, seq: Sequence, logits: np.ndarray) -> tuple[int, float | None] | None:
         """seq's next token and its logprob, within its grammar if it has one; None when the
@@ -188,6 +251,8 @@ class LLMEngine:
             result.text += detok.flush()
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
+        if self.drafter is not None:
+            self.drafter.forget(seq.seq_id)
         self.scheduler.finish(seq)
         self.sampler.free(seq.seq_id)
         constraint = self._constraints.pop(seq.request_id, None)
@@ -238,6 +303,8 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_tokens_generated=self.num_tokens_generated,
+            num_draft_proposed=self.num_draft_proposed,
+            num_draft_accepted=self.num_draft_accepted,
         )
 
     def close(self) -> None:
@@ -362,3 +429,10 @@ class AsyncEngine:
         # Shutting down: in-flight streams end with an error, not a hang.
         for o in self.engine.fail_all("the engine shut down"):
             self._deliver(o.request_id, LocalLLMError("the engine shut down before the request finished"))
+
+
+def _can_draft(params: SamplingParams) -> bool:
+    """Drafts can be checked for requests whose every row's distribution is known from the
+    logits alone: none of the penalties that depend on the tokens before it, no logprobs."""
+    return (params.repetition_penalty == 1.0 and params.frequency_penalty == 0
+            and params.presence_penalty == 0 and not params.logprobs and params.grammar is None)

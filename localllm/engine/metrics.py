@@ -17,6 +17,8 @@ class RequestMetrics:
     ttft: float | None  # seconds from arrival to the first output token
     tpot: float | None  # mean seconds per output token after the first
     e2e: float | None  # seconds from arrival to finish
+    num_draft_proposed: int = 0
+    num_draft_accepted: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
@@ -45,6 +47,8 @@ class RequestMetrics:
             ttft=ttft,
             tpot=tpot,
             e2e=seq.finish_time - seq.arrival_time if seq.finish_time else None,
+            num_draft_proposed=seq.num_draft_proposed,
+            num_draft_accepted=seq.num_draft_accepted,
         )
 
 
@@ -59,6 +63,8 @@ class EngineStats:
     num_steps: int
     num_prompt_tokens_computed: int
     num_tokens_generated: int
+    num_draft_proposed: int = 0  # speculative draft tokens checked, and of those accepted
+    num_draft_accepted: int = 0
 
     @property
     def kv_usage(self) -> float:

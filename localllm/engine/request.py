@@ -45,6 +45,9 @@ class SamplingParams:
     top_logprobs: int = 0  # with logprobs: also the k most likely tokens at each step
     # GBNF text every output must match; parsed by the runner when the request is added.
     grammar: str | None = None
+    # Prompt-lookup drafting: None follows the engine (drafts where it pays), True drafts at
+    # every step where the prompt offers a match, False never.
+    speculative: bool | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, want: str) -> UsageError:
@@ -107,6 +110,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)  # this step's guesses, checked by the model
+    num_draft_proposed: int = 0
+    num_draft_accepted: int = 0
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from localllm.engine.request import SamplingParams, Sequence
+from localllm.engine.spec_decode import verify_greedy, verify_sampled
 
 # Enough for the top_p nucleus of almost any real next-token distribution, and still
 # sorted in well under a millisecond.
@@ -72,6 +73,31 @@ class Sampler:
             token = self._draw(scaled, params, self._rng(seq))
         return token, (_logprob(logits, token) if params.logprobs else None)
 
+    def verify(self, seq: Sequence, draft: list[int], rows: np.ndarray) -> tuple[list[int], int]:
+        """(tokens to emit, draft tokens accepted) for seq's draft, from rows (len(draft) + 1,
+        vocab): row i is the model's logits after the draft's first i tokens. Greedy keeps the
+        drafts the argmax agrees with; sampling accepts each with the model's probability and
+        draws from seq's own RNG (spec_decode.verify_sampled). seq has no penalties (the engine
+        drafts for none): each row's distribution depends on its logits alone."""
+        params = seq.params
+        if params.is_greedy:
+            num_accepted, next_token = verify_greedy(draft, rows.argmax(axis=-1))
+            return list(draft[:num_accepted]) + [next_token], num_accepted
+        probs = np.stack([self.probs(params, row) for row in rows])  # (len(draft) + 1, vocab)
+        return verify_sampled(draft, probs, self._rng(seq))
+
+    def probs(self, params: SamplingParams, logits: np.ndarray) -> np.ndarray:
+        """The distribution (vocab,) float64 that ``sample`` draws from for a sampling request
+        without penalties: after temperature, top_k, top_p and min_p."""
+        scaled = logits if params.temperature == 1.0 else np.divide(logits, params.temperature, dtype=np.float32)
+        ids, weights = self._support(scaled, params)
+        p = np.zeros(logits.shape[0], dtype=np.float64)
+        if ids is None:
+            p[:] = weights
+        else:
+            p[ids] = weights
+        return p / p.sum()
+
     def free(self, seq_id: int) -> None:
         """Forget the RNG of a finished sequence."""
         self._rngs.pop(seq_id, None)
@@ -85,15 +111,23 @@ class Sampler:
 
     def _draw(self, x: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
         """One token from scaled logits x (vocab,), after top_k, then top_p, then min_p."""
+        ids, weights = self._support(x, params)
+        i = _pick(rng, weights)
+        return i if ids is None else int(ids[i])
+
+    def _support(self, x: np.ndarray, params: SamplingParams) -> tuple[np.ndarray | None, np.ndarray]:
+        """(ids, weights): the tokens a draw from scaled logits x (vocab,) can pick, after
+        top_k, then top_p, then min_p, and their weights (prob / max prob); ids None means the
+        whole vocabulary in id order."""
         vocab = x.size
         top_k = params.top_k if params.top_k < vocab else 0
         if not top_k and params.top_p >= 1.0:
             # No rank cut, so no sort: draw over the whole vocabulary in id order.
             weights = _exp_shifted(x, x.max())  # (vocab,) prob / max prob
             if params.min_p <= 0.0:
-                return _pick(rng, weights)
+                return None, weights
             ids = np.flatnonzero(weights >= params.min_p)  # (n,)
-            return int(ids[_pick(rng, weights[ids])])
+            return ids, weights[ids]
 
         ids = self._best_ids(x, top_k or self.num_candidates)  # (n,) best first
         if top_k:
@@ -114,7 +148,7 @@ class Sampler:
         if params.min_p > 0.0:
             num_kept = int(np.count_nonzero(weights >= params.min_p))  # a prefix: weights descend
             ids, weights = ids[:num_kept], weights[:num_kept]
-        return int(ids[_pick(rng, weights)])
+        return ids, weights
 
     def _best_ids(self, x: np.ndarray, n: int) -> np.ndarray:
         """A prefix of x's (vocab,) stable descending sort, best first with ties to the lowest id:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from localllm.config import SchedulerConfig
@@ -15,11 +16,17 @@ from localllm.errors import ContextOverflowError
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # computed this step, from position seq.num_computed_tokens on
+    num_draft_tokens: int = 0  # of those, guesses after the last known token (seq.draft_token_ids)
 
     @property
     def needs_logits(self) -> bool:
         """The step computes the sequence's last known token, so it yields a new one."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
+        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq) + self.num_draft_tokens
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits this sequence gets: its last known token's, then one per draft."""
+        return 1 + self.num_draft_tokens if self.needs_logits else 0
 
 
 @dataclass
@@ -47,8 +54,12 @@ class Scheduler:
     back (full ones stay cached) and it is recomputed later from the waiting queue.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 proposer: Callable[[list[tuple[Sequence, int]], int, int, int], dict[int, list[int]]] | None = None):
         self.config = config
+        # (decoding sequences with their most draft tokens, the step's tokens, its outputs,
+        # the budget left) -> {seq id: draft tokens}
+        self.proposer = proposer
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -101,7 +112,25 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+        if self.proposer is not None and budget > 0 and not out.preempted:
+            self._add_drafts(out, budget)
         return out
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Give decoding sequences draft tokens from what the step's budget has left once every
+        decode token and prefill chunk has its place, within each one's context and
+        max_tokens. A draft that would need blocks the pool lacks is dropped, never preempts."""
+        decoding = [s for s in out.scheduled if s.num_new_tokens == 1 and s.needs_logits]
+        rooms = [(s.seq, min(self.max_model_len - len(s.seq) - 1,
+                             s.seq.params.max_tokens - s.seq.num_output_tokens - 1)) for s in decoding]
+        num_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        num_outputs = sum(1 for s in out.scheduled if s.needs_logits)
+        drafts = self.proposer([(seq, room) for seq, room in rooms if room > 0], num_tokens, num_outputs, budget)
+        for sched in decoding:
+            draft = drafts.get(sched.seq.seq_id)
+            if draft and self.block_manager.allocate(sched.seq, 1 + len(draft)):
+                sched.seq.draft_token_ids = draft
+                sched.num_new_tokens, sched.num_draft_tokens = 1 + len(draft), len(draft)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or aborted) sequence and give its blocks back."""

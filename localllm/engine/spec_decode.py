@@ -1,5 +1,6 @@
-"""Prompt-lookup speculative decoding: the n-gram proposer, the adaptive draft length and the
-acceptance rules. Pure Python and numpy; the engine feeds it tokens and the model's rows.
+"""Prompt-lookup speculative decoding: the n-gram proposer, the plan of each step's drafts
+(what they are expected to earn against what this machine's steps cost) and the acceptance
+rules. Pure Python and numpy; the engine feeds it tokens, step times and the model's rows.
 
 One decode step with a draft, for a sequence whose tokens end in ``... a b c``::
 
@@ -11,19 +12,23 @@ One decode step with a draft, for a sequence whose tokens end in ``... a b c``::
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 
 class NgramIndex:
-    """One sequence's tokens (prompt + output) and, for each n-gram of length min_ngram to
-    max_ngram, the start of its latest occurrence that has a follower.
+    """One sequence's tokens (prompt + output) and, for each n-gram length n (every length
+    from min_ngram to 4, then 6, 8, 12, 16, 24 and 32, up to max_ngram), the start of each
+    n-gram's latest occurrence that has a follower.
 
     An n-gram is indexed only once the token after it exists, so the sequence's own current
-    suffix never matches itself. Each appended token adds (max_ngram - min_ngram + 1) entries
-    and ``propose`` does as many lookups: both O(1) in the length of the sequence.
+    suffix never matches itself. Each appended token adds one entry per length and
+    ``propose`` does one lookup per length: both O(1) in the length of the sequence. Entries
+    are keyed by the n-gram's hash (an int, not the tuple: 12 tuples per token of a 32k-token
+    prompt would take about 70 MB), and a lookup checks the tokens, so a collision costs a
+    match, never a wrong one.
 
     >>> index = NgramIndex([1, 2, 3, 4, 1, 2, 9, 1, 2], max_ngram=3)
     >>> index.propose(2)  # the suffix 3-gram [9, 1, 2] never occurred before; [1, 2] at 4 did
@@ -35,8 +40,11 @@ class NgramIndex:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.lengths = [n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if min_ngram <= n <= max_ngram]
+        if max_ngram not in self.lengths:
+            self.lengths.append(max_ngram)
         self._token_ids: list[int] = []
-        self._latest: dict[tuple[int, ...], int] = {}  # n-gram -> start of its latest occurrence
+        self._latest: dict[int, int] = {}  # hash of an n-gram -> start of its latest occurrence
         self.extend(token_ids)
 
     def __len__(self) -> int:
@@ -44,113 +52,246 @@ class NgramIndex:
 
     @property
     def num_entries(self) -> int:
-        """Distinct n-grams indexed: at most len(self) * (max_ngram - min_ngram + 1)."""
+        """Distinct n-grams indexed: at most len(self) * len(self.lengths)."""
         return len(self._latest)
 
     def extend(self, token_ids: Iterable[int]) -> None:
         """Append tokens; the n-grams ending just before each one now have a follower."""
-        tokens, latest = self._token_ids, self._latest
+        tokens, latest, lengths = self._token_ids, self._latest, self.lengths
         for token_id in token_ids:
             end = len(tokens)  # n-grams tokens[end - n:end] are followed by token_id
             tokens.append(int(token_id))
-            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
-                latest[tuple(tokens[end - n:end])] = end - n  # later occurrences overwrite
+            for n in lengths:
+                if n > end:
+                    break
+                latest[hash(tuple(tokens[end - n:end]))] = end - n  # later occurrences overwrite
 
     def propose(self, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest suffix
-        n-gram that occurred before (n from max_ngram down to min_ngram); [] when none did.
-        Fewer than k when that occurrence is close to the end of the sequence."""
+        n-gram that occurred before; [] when none did. Fewer than k when that occurrence is
+        close to the end of the sequence."""
         tokens = self._token_ids
         if k <= 0:
             return []
-        # n <= len(tokens): a shorter slice would look up a shorter n-gram under the wrong n
-        for n in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1):
-            start = self._latest.get(tuple(tokens[-n:]))
-            if start is not None:
+        for n in reversed(self.lengths):
+            if n > len(tokens):  # a shorter slice would look up a shorter n-gram
+                continue
+            suffix = tokens[-n:]
+            start = self._latest.get(hash(tuple(suffix)))
+            if start is not None and tokens[start:start + n] == suffix:
                 return tokens[start + n:start + n + k]
         return []
 
 
-class AdaptiveDraftLength:
-    """One request's draft length k, following its acceptance, and its off switch.
+class StepCost:
+    """Seconds a step of n tokens takes on this runner and machine, learned from the engine's
+    own steps: drafting pays only where checking k more tokens costs less than the tokens it
+    saves, and that depends on the machine (on a GPU a 33-token step costs about what a
+    1-token step does; on a 2-core CPU it costs 14 times as much).
 
-    Call ``next_k()`` once per decode step (0: do not draft this step) and, after a draft
-    was verified, ``record(num_proposed, num_accepted)``. The rule, per recorded draft:
-
-    - ``ema += alpha * (num_accepted / num_proposed - ema)``; then k grows by one (up to
-      k_max) when ema >= grow_at, shrinks by one (down to k_min) when ema < shrink_at.
-    - The last ``window`` drafts are kept. Once there are that many, if they accepted less
-      than ``off_below`` of the tokens they proposed, drafting switches off: ``next_k()``
-      returns 0 for ``backoff`` steps, then drafting probes again with a fresh window; each
-      switch-off doubles the next back-off (up to max_backoff), a passing window resets it.
-
-    Worked example, defaults (k 4, ema 0.5, alpha 0.5, grow_at 0.75, shrink_at 0.4)::
-
-        record(4, 4)  rate 1.0   ema 0.75    k 4 -> 5
-        record(5, 5)  rate 1.0   ema 0.875   k 5 -> 6
-        record(6, 1)  rate 0.17  ema 0.521   k 6
-        record(6, 0)  rate 0.0   ema 0.260   k 6 -> 5
-
-    and with window 3, off_below 0.3, backoff 2: after record(4, 0), record(4, 1),
-    record(3, 0) the window accepted 1 of 11 tokens (0.09 < 0.3), so the next two
-    ``next_k()`` return 0, the third returns k again (a probe); should the next three
-    drafts fail as well, drafting stays off for 4 steps.
+    Decode steps (every sequence computing its next token, with or without drafts) are kept
+    per power-of-two bucket of n as an EMA of (tokens, seconds): one point per bucket, and a
+    step's time is interpolated linearly between the points. Past the largest point it is
+    estimated optimistically, adding the cheapest per-token time seen in any step (prefill
+    chunks included), so that longer drafts get tried, and measured.
     """
 
-    def __init__(self, *, k_init: int = 4, k_min: int = 1, k_max: int = 8, alpha: float = 0.5,
-                 grow_at: float = 0.75, shrink_at: float = 0.4, window: int = 8,
-                 off_below: float = 0.3, backoff: int = 16, max_backoff: int = 256):
-        if not 1 <= k_min <= k_init <= k_max:
-            raise ValueError(f"need 1 <= k_min <= k_init <= k_max, got {k_min}, {k_init}, {k_max}")
-        self.k, self.k_min, self.k_max = k_init, k_min, k_max
-        self.alpha, self.grow_at, self.shrink_at = alpha, grow_at, shrink_at
-        self.ema = 0.5  # neutral start: the first draft alone decides the first move
-        self.off_below, self.base_backoff, self.max_backoff = off_below, backoff, max_backoff
-        self._backoff = backoff
-        self._window: deque[tuple[int, int]] = deque(maxlen=window)  # (proposed, accepted)
-        self.num_off_steps_left = 0
-        self.num_proposed = 0  # draft tokens verified
-        self.num_accepted = 0  # of them, accepted
-        self.num_draft_steps = 0  # steps that verified a draft
+    def __init__(self, alpha: float = 0.3):
+        self.alpha = alpha
+        self._points: dict[int, tuple[float, float]] = {}  # bucket -> EMA (tokens, seconds)
+        self._floor: float | None = None  # the lowest seconds per token of any step seen
 
-    @property
-    def is_off(self) -> bool:
-        return self.num_off_steps_left > 0
+    @staticmethod
+    def bucket(num_tokens: int) -> int:
+        """0 for 1 token, 1 for 2, 2 for 3-4, 3 for 5-8, ...: ceil(log2(num_tokens))."""
+        return (num_tokens - 1).bit_length()
 
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.num_accepted / self.num_proposed if self.num_proposed else None
-
-    def next_k(self) -> int:
-        """The draft length for this step; 0 while switched off (each call spends one step)."""
-        if self.num_off_steps_left:
-            self.num_off_steps_left -= 1
-            return 0
-        return self.k
-
-    def record(self, num_proposed: int, num_accepted: int) -> None:
-        if not 0 <= num_accepted <= num_proposed:
-            raise ValueError(f"accepted {num_accepted} of {num_proposed} proposed draft tokens")
-        if num_proposed == 0:
-            return  # nothing was verified: no evidence either way
-        self.num_proposed += num_proposed
-        self.num_accepted += num_accepted
-        self.num_draft_steps += 1
-        self.ema += self.alpha * (num_accepted / num_proposed - self.ema)
-        if self.ema >= self.grow_at:
-            self.k = min(self.k + 1, self.k_max)
-        elif self.ema < self.shrink_at:
-            self.k = max(self.k - 1, self.k_min)
-        self._window.append((num_proposed, num_accepted))
-        if len(self._window) < self._window.maxlen:
+    def record(self, num_tokens: int, seconds: float, *, decode_only: bool) -> None:
+        if num_tokens <= 0 or seconds <= 0:
             return
-        proposed = sum(p for p, _ in self._window)
-        if sum(a for _, a in self._window) < self.off_below * proposed:
-            self.num_off_steps_left = self._backoff
-            self._backoff = min(2 * self._backoff, self.max_backoff)
-            self._window.clear()
-        else:
-            self._backoff = self.base_backoff
+        if decode_only:
+            b = self.bucket(num_tokens)
+            old = self._points.get(b)
+            self._points[b] = (num_tokens, seconds) if old is None else (
+                old[0] + self.alpha * (num_tokens - old[0]), old[1] + self.alpha * (seconds - old[1]))
+        rate = seconds / num_tokens
+        self._floor = rate if self._floor is None else min(self._floor, rate)
+
+    def seconds(self, num_tokens: int) -> float | None:
+        """The expected time of a step of num_tokens; None before any decode step was timed."""
+        points = sorted(self._points.values())
+        if not points:
+            return None
+        n0, t0 = points[0]
+        if num_tokens <= n0:
+            return t0
+        for n1, t1 in points[1:]:
+            if num_tokens <= n1:
+                return t0 + (t1 - t0) * (num_tokens - n0) / (n1 - n0)
+            n0, t0 = n1, t1
+        return t0 + (num_tokens - n0) * self._floor
+
+
+class Acceptance:
+    """A sequence's chance p that a proposed token is the one it would produce, from runs of
+    accepted tokens and the misses that ended them (the geometric model's estimate
+    accepted / (accepted + misses)), both decaying per observation so p follows the text.
+
+    Observations come from real drafts and from *shadow* proposals: while a sequence does not
+    draft, what the index would have proposed is compared with the tokens it then produces,
+    which costs no model time. So drafting turns on where the text starts to repeat, and stays
+    off where it does not, without paying to find out.
+
+    >>> a = Acceptance(); a.record(30, missed=True); round(a.p, 3)
+    0.947
+    """
+
+    def __init__(self, *, prior_accepted: float = 0.5, prior_missed: float = 1.0, decay: float = 0.7):
+        self.accepted, self.missed, self.decay = prior_accepted, prior_missed, decay
+
+    @property
+    def p(self) -> float:
+        return self.accepted / (self.accepted + self.missed)
+
+    def record(self, num_accepted: int, *, missed: bool) -> None:
+        self.accepted = self.decay * self.accepted + num_accepted
+        self.missed = self.decay * self.missed + missed
+
+    def expected_accepted(self, k: int) -> float:
+        """Expected accepted tokens of a k-token draft: p + p^2 + ... + p^k."""
+        p = self.p
+        return k * p if p >= 1.0 else p * (1.0 - p ** k) / (1.0 - p)
+
+
+# Draft lengths a plan considers (and the proposal's own length): step costs change by bucket.
+_DRAFT_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192)
+
+
+@dataclass
+class _SeqDrafts:
+    index: NgramIndex
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    shadow: list[int] = field(default_factory=list)  # a proposal not drafted, checked as tokens come
+    num_shadow_matched: int = 0
+    streak: int = 0  # proposed tokens that came true in a row, up to now (shadow or drafted)
+
+
+class Drafter:
+    """Prompt-lookup drafting for the engine: one NgramIndex and Acceptance per sequence, one
+    StepCost for the machine, and the plan of each step's drafts.
+
+    ``plan`` gives each candidate sequence the draft length that maximizes the step's expected
+    tokens per second, in order of acceptance, while that beats the step without it by
+    ``margin``; sequences given no draft get a shadow proposal instead. A sequence drafts only
+    while its last ``min_streak`` proposed tokens came true: copied text comes in runs (a
+    quoted sentence, the unchanged lines of a file), and the token after a miss is seldom the
+    start of the next one. ``force`` sequences (a request's ``speculative: true``) draft
+    whatever the index proposes, up to ``k_force``.
+
+    The n-grams are long (up to 12 tokens): code repeats short sequences everywhere, and the
+    longest match is the one that finds the place being copied.
+    """
+
+    def __init__(self, *, k_max: int = 128, k_force: int = 16, k_shadow: int = 32, margin: float = 0.05,
+                 min_streak: int = 2, max_ngram: int = 12):
+        self.k_max, self.k_force, self.k_shadow, self.margin = k_max, k_force, k_shadow, margin
+        self.min_streak = min_streak
+        self.max_ngram = max_ngram
+        self.cost = StepCost()
+        self._seqs: dict[int, _SeqDrafts] = {}
+
+    def _state(self, seq_id: int, token_ids: list[int]) -> _SeqDrafts:
+        state = self._seqs.get(seq_id)
+        if state is None:
+            state = self._seqs[seq_id] = _SeqDrafts(NgramIndex(token_ids, max_ngram=self.max_ngram))
+        elif len(state.index) < len(token_ids):
+            state.index.extend(token_ids[len(state.index):])
+        return state
+
+    def acceptance(self, seq_id: int) -> Acceptance | None:
+        state = self._seqs.get(seq_id)
+        return state.acceptance if state is not None else None
+
+    def plan(self, candidates: list[tuple[int, list[int], int, bool]], num_tokens: int,
+             num_outputs: int, budget: int) -> dict[int, list[int]]:
+        """Drafts for this step: {seq id: draft tokens}.
+
+        candidates: (seq id, its token ids, most draft tokens it may take, forced) for each
+        sequence that decodes this step and may draft; num_tokens and num_outputs: the step's
+        tokens and the tokens it yields so far; budget: tokens the step may still take.
+        """
+        drafts: dict[int, list[int]] = {}
+        states = [(self._state(seq_id, token_ids), seq_id, room, force)
+                  for seq_id, token_ids, room, force in candidates]
+        states.sort(key=lambda c: (not c[3], -c[0].acceptance.p))
+        base = self.cost.seconds(num_tokens)
+        expected = float(num_outputs)
+        for state, seq_id, room, force in states:
+            room = min(room, budget, self.k_force if force else self.k_max)
+            proposal = state.index.propose(room) if room > 0 else []
+            if force:
+                k = len(proposal)
+            elif state.streak < self.min_streak:
+                k = 0
+            else:
+                k = self._best_length(state.acceptance, len(proposal), num_tokens, expected, base)
+            if k:
+                drafts[seq_id] = proposal[:k]
+                if state.shadow:  # the run it saw so far, not yet recorded
+                    state.acceptance.record(state.num_shadow_matched, missed=False)
+                    state.shadow = []
+                num_tokens += k
+                budget -= k
+                expected += state.acceptance.expected_accepted(k)
+                base = self.cost.seconds(num_tokens)
+            elif not state.shadow:
+                state.shadow = state.index.propose(self.k_shadow)
+                state.num_shadow_matched = 0
+        return drafts
+
+    def _best_length(self, acceptance: Acceptance, most: int, num_tokens: int, expected: float,
+                     base: float | None) -> int:
+        if most == 0 or base is None:
+            return 0
+        best_k, best_rate = 0, expected / base * (1.0 + self.margin)
+        for k in sorted({k for k in _DRAFT_LENGTHS if k < most} | {most}):
+            seconds = self.cost.seconds(num_tokens + k)
+            if seconds is None:
+                break
+            rate = (expected + acceptance.expected_accepted(k)) / seconds
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def on_tokens(self, seq_id: int, token_ids: list[int]) -> None:
+        """Tokens a sequence just produced: they are checked against its shadow proposal."""
+        state = self._seqs.get(seq_id)
+        if state is None:
+            return
+        if not state.shadow:
+            state.streak = 0  # nothing was proposed: no evidence of a run
+            return
+        for token_id in token_ids:
+            if token_id != state.shadow[state.num_shadow_matched]:
+                state.acceptance.record(state.num_shadow_matched, missed=True)
+                state.shadow = []
+                state.streak = 0
+                return
+            state.num_shadow_matched += 1
+            state.streak += 1
+            if state.num_shadow_matched == len(state.shadow):
+                state.acceptance.record(state.num_shadow_matched, missed=False)
+                state.shadow = []
+                return
+
+    def on_verified(self, seq_id: int, num_proposed: int, num_accepted: int) -> None:
+        state = self._seqs[seq_id]
+        missed = num_accepted < num_proposed
+        state.acceptance.record(num_accepted, missed=missed)
+        state.streak = 0 if missed else state.streak + num_accepted
+
+    def forget(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
 
 
 def verify_greedy(draft: Sequence[int], target_argmax: Sequence[int]) -> tuple[int, int]:
@@ -212,17 +353,3 @@ def _draw(rng: np.random.Generator, weights: np.ndarray) -> int:
     i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
     # u can round up to cdf[-1]: then the last token that has weight
     return min(i, int(np.searchsorted(cdf, cdf[-1])))
-
-
-def num_to_emit(token_ids: Sequence[int], is_stop: Callable[[int], bool], max_num: int) -> int:
-    """How many of one step's emitted tokens the sequence takes: up to and including the
-    first for which is_stop holds (EOS or a stop token id, kept as a plain step keeps it),
-    and at most max_num (the tokens left before max_tokens or a full context).
-
-    >>> num_to_emit([4, 2, 0, 7], lambda t: t == 0, max_num=10)
-    3
-    """
-    for i, token_id in enumerate(token_ids[:max(max_num, 0)]):
-        if is_stop(token_id):
-            return i + 1
-    return min(len(token_ids), max(max_num, 0))

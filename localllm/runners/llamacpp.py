@@ -408,7 +408,10 @@ class LlamaCppRunner:
             start = seq.num_computed_tokens
             if n + k > self.max_batch:  # llama.cpp aborts the process on an oversized batch
                 raise EngineError(f"step of {n + k} tokens exceeds the batch of {self.max_batch}")
-            if k == 1:
+            if sched.num_draft_tokens:
+                self._tokens[n] = seq.token_at(start)
+                self._tokens[n + 1:n + k] = seq.draft_token_ids
+            elif k == 1:
                 self._tokens[n] = seq.token_at(start)
             elif start + k <= seq.num_prompt_tokens:
                 self._tokens[n:n + k] = seq.prompt_token_ids[start:start + k]
@@ -418,8 +421,8 @@ class LlamaCppRunner:
             self._seq_ids[n:n + k] = slot
             self._logits_flags[n:n + k] = 0
             if sched.needs_logits:
-                self._logits_flags[n + k - 1] = 1
-                n_out += 1
+                self._logits_flags[n + k - sched.num_logits:n + k] = 1
+                n_out += sched.num_logits
             for i in range(start // bs, (start + k - 1) // bs + 1):
                 block_id = seq.block_table[i]
                 self._owners.setdefault(block_id, set()).add(slot)
@@ -516,6 +519,17 @@ class LlamaCppRunner:
         while len(self._holders) > self.n_slots - self.max_active:
             dropped += self._drop_holder(next(iter(self._holders)))
         return dropped
+
+    def truncate(self, seq: Sequence, num_tokens: int, dropped_block_ids: list[int]) -> None:
+        slot = self._active[seq.seq_id]
+        L.llama_memory_seq_rm(self.mem, slot, num_tokens, -1)
+        for block_id in dropped_block_ids:
+            owners = self._owners.get(block_id)
+            if owners is not None:
+                owners.discard(slot)
+                if not owners:
+                    del self._owners[block_id]
+                    self._block_index.pop(block_id, None)
 
     def evict(self, block_id: int) -> None:
         i = self._block_index.pop(block_id, None)

@@ -257,3 +257,41 @@ def test_every_block_comes_back_when_everything_finishes():
     assert sched.num_preemptions > 0  # 8 blocks for 3 seats of up to 4 blocks each: the path ran
     assert sched.num_preemptions == sum(s.num_preemptions for s in seqs)
     assert [bm.ref_count(b) for b in range(8)] == [0] * 8
+
+
+# --- drafts --------------------------------------------------------------------------
+
+
+def test_drafts_take_what_the_budget_leaves_after_decodes_and_prefill_within_room():
+    calls = []
+
+    def proposer(candidates, num_tokens, num_outputs, budget):
+        calls.append(([(s.request_id, room) for s, room in candidates], num_tokens, num_outputs, budget))
+        return {s.seq_id: [7] * min(room, budget) for s, room in candidates}
+
+    sched = make_scheduler(num_blocks=16, max_num_batched_tokens=16)
+    sched.proposer = proposer
+    a, b = make_seq("a", 100, 4, max_tokens=4), make_seq("b", 200, 4)
+    sched.add(a)
+    sched.add(b)
+    step(sched)  # both prefill: nothing decodes, no drafts
+    assert calls == [([], 8, 2, 8)]
+    c = make_seq("c", 300, 6)
+    sched.add(c)
+    out = sched.schedule()
+    # a and b decode (1 each), c prefills 6: 8 tokens, 3 outputs, 8 left; a may draft
+    # max_tokens - 1 output - 1 = 2, b may draft 64 - 5 - 1 = 58
+    assert calls[-1] == ([("a", 2), ("b", 58)], 8, 3, 8)
+    assert summary(out) == [("a", 3), ("b", 9), ("c", 6)]
+    assert [(s.num_draft_tokens, s.num_logits) for s in out.scheduled] == [(2, 3), (8, 9), (0, 1)]
+    assert a.draft_token_ids == [7, 7] and len(b.block_table) == 4  # 5 known + 8 drafts: 13 slots
+
+
+def test_a_draft_that_needs_blocks_the_pool_lacks_is_dropped_and_preempts_no_one():
+    sched = make_scheduler(num_blocks=3, max_num_batched_tokens=32)
+    sched.proposer = lambda candidates, *_: {s.seq_id: [7] * 8 for s, _ in candidates}
+    a = make_seq("a", 100, 6)
+    sched.add(a)
+    step(sched)
+    out = sched.schedule()  # 7 tokens known; 1 + 8 more would need 4 blocks of the 3
+    assert summary(out) == [("a", 1)] and not out.preempted and a.draft_token_ids == []

@@ -1,4 +1,5 @@
-"""Speculative decoding core: n-gram index, adaptive draft length, greedy and sampled acceptance."""
+"""Speculative decoding core: n-gram index, step costs, acceptance estimate, the drafting plan,
+greedy and sampled acceptance."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from localllm.engine.spec_decode import (
-    AdaptiveDraftLength,
+    Acceptance,
+    Drafter,
     NgramIndex,
-    num_to_emit,
+    StepCost,
     verify_greedy,
     verify_sampled,
 )
@@ -100,92 +102,205 @@ def test_incremental_index_equals_scratch_and_brute_force(tokens, cut, k, max_ng
     assert incremental.propose(k) == scratch.propose(k) == brute_force_propose(tokens, k, max_ngram, min_ngram)
 
 
+def test_a_long_ngram_finds_the_place_being_copied():
+    # "1 2 3 4" occurs twice; only the 8-gram ending in it says which one is being copied
+    tokens = [7, 7, 7, 7, 1, 2, 3, 4, 50, 51, 9, 9, 9, 9, 1, 2, 3, 4, 60, 61, 7, 7, 7, 7, 1, 2, 3, 4]
+    assert NgramIndex(tokens, max_ngram=4).propose(2) == [60, 61]  # the latest 4-gram: wrong place
+    assert NgramIndex(tokens, max_ngram=8).propose(2) == [50, 51]
+    assert NgramIndex(tokens, max_ngram=12).lengths == [1, 2, 3, 4, 6, 8, 12]
+    assert NgramIndex(tokens, max_ngram=5).lengths == [1, 2, 3, 4, 5]
+
+
 def test_32k_context_memory_and_append_cost():
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 2000, size=32_768).tolist()
     start = time.perf_counter()
-    index = NgramIndex(tokens, max_ngram=4)
+    index = NgramIndex(tokens, max_ngram=12)
     built = time.perf_counter() - start
     assert len(index) == 32_768
-    assert index.num_entries <= 4 * len(index)  # O(n * max_ngram) entries, never more
+    assert index.num_entries <= 7 * len(index)  # one entry per token per length, never more
     appended = rng.integers(0, 2000, size=1000).tolist()
     start = time.perf_counter()
     for t in appended:
         index.extend([t])
         index.propose(8)
     per_step = (time.perf_counter() - start) / 1000
-    assert index.num_entries <= 4 * len(index)
+    assert index.num_entries <= 7 * len(index)
     print(f"\nbuild 32k: {built * 1e3:.1f} ms; append + propose: {per_step * 1e6:.1f} us")
 
 
-# --- AdaptiveDraftLength -------------------------------------------------------------
+# --- StepCost ----------------------------------------------------------------------
 
 
-def test_the_docstring_worked_example():
-    ctl = AdaptiveDraftLength()
-    ks = []
-    for proposed, accepted in [(4, 4), (5, 5), (6, 1), (6, 0)]:
-        assert ctl.next_k() == proposed
-        ctl.record(proposed, accepted)
-        ks.append((ctl.k, round(ctl.ema, 3)))
-    assert ks == [(5, 0.75), (6, 0.875), (6, 0.521), (5, 0.26)]
+def test_step_cost_interpolates_between_buckets_and_extrapolates_optimistically():
+    cost = StepCost(alpha=0.5)
+    assert cost.seconds(1) is None  # nothing seen: no estimate, so no draft
+    cost.record(256, 0.768, decode_only=False)  # a prefill chunk: 3 ms per token, the floor
+    assert cost.seconds(1) is None  # prefill steps alone give no decode estimate
+    cost.record(1, 0.020, decode_only=True)
+    assert cost.seconds(1) == pytest.approx(0.020)
+    # past the largest point: plus the floor per extra token
+    assert cost.seconds(2) == pytest.approx(0.020 + 0.003)
+    assert cost.seconds(33) == pytest.approx(0.020 + 32 * 0.003)
+    cost.record(33, 0.280, decode_only=True)
+    assert cost.seconds(17) == pytest.approx(0.020 + 0.260 * 16 / 32)  # between the points
+    cost.record(40, 0.300, decode_only=True)  # the same bucket: EMA of (tokens, seconds)
+    assert cost.seconds(36.5) == pytest.approx(0.290)
+    assert cost.seconds(100) == pytest.approx(0.290 + 63.5 * 0.003)
+    only_batches = StepCost()
+    only_batches.record(8, 0.050, decode_only=True)
+    assert only_batches.seconds(1) == pytest.approx(0.050)  # below the first point: its time
+    assert [StepCost.bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 256)] == [0, 1, 2, 2, 3, 3, 4, 8]
 
 
-def test_draft_length_follows_acceptance_exactly():
-    ctl = AdaptiveDraftLength(k_init=4, k_max=6)
-    ks = []
-    for proposed_accepted in [(4, 4), (5, 5), (6, 6), (6, 6), (6, 1), (6, 0), (5, 0), (4, 4)]:
-        assert ctl.next_k() == proposed_accepted[0]
-        ctl.record(*proposed_accepted)
-        ks.append(ctl.k)
-    # ema: .75 .875 .9375 .96875 .5677 .2839 .1419 .5710
-    assert ks == [5, 6, 6, 6, 6, 5, 4, 4]
-    assert math.isclose(ctl.ema, 0.5709635416666666)
-    assert (ctl.num_proposed, ctl.num_accepted, ctl.num_draft_steps) == (42, 26, 8)
-    assert ctl.acceptance_rate == 26 / 42
+def test_step_cost_ignores_empty_steps():
+    cost = StepCost()
+    cost.record(0, 0.01, decode_only=True)
+    cost.record(4, 0.0, decode_only=True)
+    assert cost.seconds(4) is None
 
 
-def test_k_stays_within_its_bounds():
-    ctl = AdaptiveDraftLength(k_init=2, k_min=2, k_max=3, window=100)
-    for _ in range(5):
-        ctl.record(ctl.next_k(), 0)
-    assert ctl.k == 2
-    for _ in range(5):
-        ctl.record(ctl.next_k(), ctl.k)
-    assert ctl.k == 3
+# --- Acceptance ----------------------------------------------------------------------
 
 
-def test_switches_off_after_a_bad_window_then_probes_with_doubling_backoff():
-    ctl = AdaptiveDraftLength(window=3, off_below=0.3, backoff=2, max_backoff=4)
-    ctl.record(4, 0)
-    ctl.record(4, 1)
-    assert not ctl.is_off
-    ctl.record(3, 0)  # 1 of 11 accepted
-    assert ctl.is_off
-    assert [ctl.next_k() for _ in range(3)] == [0, 0, ctl.k]  # two steps off, then a probe
-    for _ in range(3):
-        ctl.record(ctl.k, 0)
-    assert [ctl.next_k() > 0 for _ in range(5)] == [False] * 4 + [True]  # back-off doubled
-    for _ in range(3):
-        ctl.record(ctl.k, 0)
-    assert [ctl.next_k() > 0 for _ in range(5)] == [False] * 4 + [True]  # capped at 4
-    # a passing window resets the back-off
-    for _ in range(3):
-        ctl.record(2, 2)
-    for _ in range(3):
-        ctl.record(ctl.k, 0)
-    assert [ctl.next_k() > 0 for _ in range(3)] == [False, False, True]
-    assert ctl.num_draft_steps == 15
+def test_acceptance_is_the_decayed_geometric_estimate():
+    a = Acceptance(prior_accepted=0.5, prior_missed=1.0, decay=0.5)
+    assert a.p == pytest.approx(1 / 3)
+    a.record(10, missed=True)  # accepted 0.25 + 10, missed 0.5 + 1
+    assert a.p == pytest.approx(10.25 / 11.75)
+    a.record(4, missed=False)  # a run that ended without a miss
+    assert (a.accepted, a.missed) == pytest.approx((9.125, 0.75))
+    for _ in range(20):
+        a.record(0, missed=True)
+    assert a.p < 0.01
 
 
-def test_window_at_the_threshold_stays_on_and_empty_drafts_are_ignored():
-    ctl = AdaptiveDraftLength(window=2, off_below=0.5)
-    ctl.record(4, 2)
-    ctl.record(0, 0)  # nothing verified: no draft step
-    ctl.record(4, 2)  # exactly half accepted: not below
-    assert not ctl.is_off and ctl.num_draft_steps == 2
-    with pytest.raises(ValueError):
-        ctl.record(2, 3)
+def test_expected_accepted_is_the_geometric_sum():
+    a = Acceptance(prior_accepted=3.0, prior_missed=1.0)  # p = 0.75
+    assert a.expected_accepted(1) == pytest.approx(0.75)
+    assert a.expected_accepted(3) == pytest.approx(0.75 + 0.75 ** 2 + 0.75 ** 3)
+    assert Acceptance(prior_accepted=1.0, prior_missed=0.0).expected_accepted(5) == 5
+
+
+# --- Drafter -------------------------------------------------------------------------
+
+CODE = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19] * 4  # a text that repeats: drafts match
+
+
+def cpu_like_costs(drafter: Drafter) -> None:
+    """Step costs measured on this 2-core CPU (llama.cpp, Qwen2.5-Coder-0.5B, every row's
+    logits): 19 ms for one token, 37 for two, 93 for 8, 131 for 16, 278 for 33, 384 for 64."""
+    drafter.cost.record(256, 0.85, decode_only=False)
+    for n, ms in ((1, 19), (2, 37), (4, 60), (8, 93), (16, 131), (33, 278), (64, 384), (128, 700)):
+        drafter.cost.record(n, ms / 1000, decode_only=True)
+
+
+def gpu_like_costs(drafter: Drafter) -> None:
+    """Costs like a GPU's: any step up to 256 tokens costs about one token's time."""
+    for n in (1, 2, 4, 8, 16, 33, 64, 128, 256):
+        drafter.cost.record(n, 0.010 + 0.00001 * n, decode_only=True)
+
+
+def in_a_run(drafter: Drafter, seq_id: int, tokens: list[int], accepted: float, missed: float) -> None:
+    """Give a sequence an acceptance estimate and a streak of right proposals."""
+    state = drafter._state(seq_id, tokens)
+    state.acceptance = Acceptance(prior_accepted=accepted, prior_missed=missed)
+    state.streak = drafter.min_streak
+
+
+def test_no_draft_before_any_decode_step_was_timed():
+    drafter = Drafter()
+    assert drafter.plan([(1, CODE, 50, False)], 1, 1, 255) == {}
+
+
+def test_no_draft_where_acceptance_is_unknown_and_steps_are_dear():
+    drafter = Drafter()
+    cpu_like_costs(drafter)  # p = 1/3 a priori: 1.33 tokens for 40 ms is worse than 1 for 20
+    assert drafter.plan([(1, CODE, 50, False)], 1, 1, 255) == {}
+
+
+def test_shadow_proposals_turn_drafting_on_where_the_text_repeats():
+    drafter = Drafter(k_shadow=8)
+    cpu_like_costs(drafter)
+    tokens = list(CODE)
+    assert drafter.plan([(1, tokens, 50, False)], 1, 1, 255) == {}  # no draft; a shadow instead
+    for _ in range(8):  # the sequence goes on repeating: the shadow proposal was right
+        tokens.append(tokens[-10])
+        drafter.on_tokens(1, [tokens[-1]])
+    assert drafter.acceptance(1).p == pytest.approx(8.35 / 9.05)  # 0.7 * 0.5 + 8 accepted, 0.7 * 1 missed
+    assert drafter._seqs[1].streak == 8
+    drafts = drafter.plan([(1, tokens, 50, False)], 1, 1, 255)
+    assert drafts[1] == (tokens[-10:] * 5)[:len(drafts[1])] and len(drafts[1]) >= 8
+
+
+def test_shadow_misses_keep_drafting_off():
+    drafter = Drafter(k_shadow=4)
+    cpu_like_costs(drafter)
+    tokens = list(CODE)
+    for _ in range(6):
+        assert drafter.plan([(1, tokens, 50, False)], 1, 1, 255) == {}
+        guess = drafter._seqs[1].shadow[0]
+        tokens.append(10 + (guess + 5) % 10)  # a token of the text, but not the one proposed
+        drafter.on_tokens(1, [tokens[-1]])
+    assert drafter.acceptance(1).p < 0.05
+
+
+def test_a_run_of_two_right_proposals_starts_drafting_and_a_miss_stops_it():
+    drafter = Drafter()
+    gpu_like_costs(drafter)
+    tokens = list(CODE)
+    assert drafter.plan([(1, tokens, 50, False)], 1, 1, 255) == {}  # no streak yet: a shadow
+    for _ in range(2):
+        tokens.append(tokens[-10])
+        drafter.on_tokens(1, [tokens[-1]])
+    assert drafter._seqs[1].streak == 2
+    assert drafter.plan([(1, tokens, 50, False)], 1, 1, 255)  # drafts are nearly free here
+    drafter.on_verified(1, 4, 0)
+    assert drafter._seqs[1].streak == 0
+    assert drafter.plan([(1, tokens, 50, False)], 1, 1, 255) == {}  # a miss ends the run
+
+
+def test_cheap_steps_draft_long_and_dear_steps_draft_short():
+    cheap, dear = Drafter(), Drafter()
+    gpu_like_costs(cheap)
+    cpu_like_costs(dear)
+    for d in (cheap, dear):
+        in_a_run(d, 1, list(range(100, 200)) * 2, 9.0, 1.0)  # p = 0.9
+    text = list(range(100, 200)) * 2  # a 100-token passage, repeated: proposals of 100 tokens
+    k_cheap = len(cheap.plan([(1, text, 200, False)], 1, 1, 255)[1])
+    k_dear = len(dear.plan([(1, text, 200, False)], 1, 1, 255)[1])
+    assert k_cheap > k_dear >= 8
+
+
+def test_drafts_respect_room_budget_and_force():
+    drafter = Drafter(k_force=6)
+    gpu_like_costs(drafter)
+    in_a_run(drafter, 1, CODE, 99.0, 1.0)
+    assert len(drafter.plan([(1, CODE, 3, False)], 1, 1, 255)[1]) == 3  # room: context, max_tokens
+    assert len(drafter.plan([(1, CODE, 50, False)], 1, 1, 5)[1]) == 5  # the step's budget
+    # forced: whatever the index proposes, up to k_force, even with no timing and no evidence
+    assert Drafter(k_force=6).plan([(2, CODE, 50, True)], 1, 1, 255) == {2: CODE[:6]}
+
+
+def test_the_budget_goes_to_the_likeliest_sequences_first():
+    drafter = Drafter()
+    gpu_like_costs(drafter)
+    text = list(range(100, 200)) * 2
+    in_a_run(drafter, 1, text, 1.0, 1.0)  # p = 0.5
+    in_a_run(drafter, 2, text, 99.0, 1.0)  # p = 0.99
+    drafts = drafter.plan([(1, text, 50, False), (2, text, 50, False)], 2, 2, 20)
+    assert len(drafts[2]) == 20 and 1 not in drafts
+
+
+def test_verified_drafts_update_acceptance_and_forget_drops_the_state():
+    drafter = Drafter()
+    drafter._state(1, CODE)
+    drafter.on_verified(1, 8, 8)
+    drafter.on_verified(1, 8, 3)
+    a = drafter.acceptance(1)
+    assert (a.accepted, a.missed) == pytest.approx((0.5 * 0.49 + 8 * 0.7 + 3, 0.49 + 1))
+    drafter.forget(1)
+    assert drafter.acceptance(1) is None
 
 
 # --- verify_greedy -------------------------------------------------------------------
@@ -279,18 +394,3 @@ def test_a_draft_holding_all_the_probability_is_accepted_even_when_u_rounds_up()
 def test_verify_sampled_needs_one_row_per_position():
     with pytest.raises(ValueError):
         verify_sampled([1, 2], np.stack([P1, P2]), np.random.default_rng(0))
-
-
-# --- num_to_emit ---------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("tokens, max_num, expected", [
-    ([4, 2, 0, 7], 10, 3),  # through the stop token, which is kept
-    ([0, 4], 10, 1),  # the stop token first
-    ([4, 2, 7], 10, 3),  # no stop: all
-    ([4, 2, 0, 7], 2, 2),  # max_tokens comes before the stop token
-    ([4, 2, 0, 7], 3, 3),  # both at once
-    ([4, 2], 0, 0),
-])
-def test_num_to_emit(tokens, max_num, expected):
-    assert num_to_emit(tokens, lambda t: t == 0, max_num) == expected
