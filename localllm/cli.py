@@ -74,6 +74,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "other streams' token gaps short (default 256)")
     p.add_argument("--parallel", type=_positive_int, default=None, help="most sequences run at once (default 16)")
     p.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all that fit, 0: none)")
+    _add_no_spec(p)
+
+
+def _add_no_spec(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-spec", action="store_true", help="turn off prompt-lookup speculative decoding")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--batch-tokens", type=_positive_int, default=None, help="step token budget (default 256)")
     serve.add_argument("--parallel", type=_positive_int, default=None, help="most sequences run at once (default 16)")
     serve.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all, 0: none)")
+    _add_no_spec(serve)
 
     chat = sub.add_parser("chat", help="chat in the terminal (a Textual app)",
                           description="Chat in the terminal. Press F1 in the app for every key.")
@@ -128,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--ctx", type=_positive_int, default=DEFAULT_CTX, help="context size in tokens (KV cache)")
     chat.add_argument("--threads", type=_nonneg_int, default=0, help="CPU threads (default: physical cores)")
     chat.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all, 0: none)")
+    _add_no_spec(chat)
 
     pull = sub.add_parser("pull", help="download a model (alias, hf.co/OWNER/REPO[:QUANT], OWNER/REPO/FILE.gguf) "
                                        "or import a local .gguf")
@@ -176,6 +183,7 @@ def _engine_config(args, model_path: Path | None = None):
         scheduler=SchedulerConfig(**sched_kwargs),
         n_threads=args.threads,
         n_gpu_layers=args.gpu_layers,
+        speculative=not args.no_spec,
     )
 
 

@@ -3,7 +3,8 @@
 For each concurrency c, c requests with distinct prompts of ``prompt_tokens`` tokens arrive
 together and each generates exactly ``max_tokens`` tokens (greedy, EOS ignored). Reported:
 aggregate output tokens/s over the whole run, aggregate decode tokens/s over the steps that
-only decoded, and TTFT / TPOT percentiles.
+only decoded (a step that checks drafts decodes too), TTFT / TPOT percentiles, and the
+prompt-lookup draft tokens proposed and accepted (0 with --no-spec).
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ def run_concurrency(engine, concurrency: int, prompt_tokens: int, max_tokens: in
         t = time.perf_counter()
         outputs = engine.step()
         out = engine.last_step
-        if all(s.num_new_tokens == 1 for s in out.scheduled) and len(out.scheduled) == concurrency:
+        if len(out.scheduled) == concurrency and all(s.num_new_tokens == 1 + s.num_draft_tokens
+                                                     for s in out.scheduled):
             decode_time += time.perf_counter() - t
-            decode_tokens += len(out.scheduled)
+            decode_tokens += sum(len(o.token_ids) for o in outputs)  # accepted drafts and the next token
         metrics += [o.metrics for o in outputs if o.finished]
     wall = time.perf_counter() - t0
     ttfts = [m.ttft for m in metrics]
@@ -69,6 +71,8 @@ def run_concurrency(engine, concurrency: int, prompt_tokens: int, max_tokens: in
         "tpot_p50_s": _pct(tpots, 50),
         "tpot_p95_s": _pct(tpots, 95),
         "preemptions": engine.scheduler.num_preemptions,
+        "draft_proposed": sum(m.num_draft_proposed for m in metrics),
+        "draft_accepted": sum(m.num_draft_accepted for m in metrics),
     }
 
 
@@ -81,7 +85,8 @@ def bench(config: EngineConfig, concurrencies: list[int], prompt_tokens: int, ma
         engine.generate(["warm up"], SamplingParams(max_tokens=4, temperature=0.0))
         results = [run_concurrency(engine, c, prompt_tokens, max_tokens) for c in concurrencies]
         _report(results, {"model": str(config.model_path), "threads": config.threads,
-                          "batch_tokens": config.scheduler.max_num_batched_tokens}, as_json)
+                          "batch_tokens": config.scheduler.max_num_batched_tokens,
+                          "speculative": config.speculative}, as_json)
         return 0
     finally:
         engine.close()
@@ -176,6 +181,15 @@ def _report(results: list[dict], header: dict, as_json: bool) -> None:
             f"concurrency {r['concurrency']:>3}: {r['output_tokens_per_s']:7.1f} output tok/s, "
             f"{r['decode_tokens_per_s'] or 0:7.1f} decode tok/s | "
             f"TTFT p50 {(r['ttft_p50_s'] or 0) * 1000:7.0f} ms p95 {(r['ttft_p95_s'] or 0) * 1000:7.0f} ms | "
-            f"TPOT p50 {(r['tpot_p50_s'] or 0) * 1000:6.1f} ms p95 {(r['tpot_p95_s'] or 0) * 1000:6.1f} ms",
+            f"TPOT p50 {(r['tpot_p50_s'] or 0) * 1000:6.1f} ms p95 {(r['tpot_p95_s'] or 0) * 1000:6.1f} ms"
+            + draft_text(r.get("draft_proposed"), r.get("draft_accepted")),
             flush=True,
         )
+
+
+def draft_text(num_proposed: int | None, num_accepted: int | None) -> str:
+    """' | draft 412/430 (96%)': accepted of proposed; '' when nothing was proposed (or a
+    server was measured, which does not say)."""
+    if not num_proposed:
+        return ""
+    return f" | draft {num_accepted}/{num_proposed} ({100 * num_accepted / num_proposed:.0f}%)"

@@ -114,7 +114,7 @@ class Server:
                       top_logprobs: int) -> list[SamplingParams]:
         """One SamplingParams per choice; with a seed, choice i uses seed + i so the n differ."""
         kwargs = dict(max_tokens=max_tokens, stop=req.stop_list(), logprobs=logprobs, grammar=grammar,
-                      top_logprobs=top_logprobs)
+                      top_logprobs=top_logprobs, speculative=req.speculative)
         for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
                              ("min_p", "min_p"), ("repetition_penalty", "repeat_penalty"),
                              ("frequency_penalty", "frequency_penalty"), ("presence_penalty", "presence_penalty")):

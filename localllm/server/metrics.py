@@ -4,11 +4,27 @@ Each app gets its own registry: nothing global, nothing created at import."""
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from localllm.engine.metrics import EngineStats, RequestMetrics
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class _EngineCounters:
+    """Counters the engine keeps itself (EngineStats), exposed as they stand at the scrape:
+    they also count the drafts of requests that are still running."""
+
+    def __init__(self):
+        self.num_draft_proposed = 0
+        self.num_draft_accepted = 0
+
+    def collect(self):
+        yield CounterMetricFamily("localllm_draft_tokens_proposed", "Prompt-lookup draft tokens checked by the model",
+                                  value=self.num_draft_proposed)
+        yield CounterMetricFamily("localllm_draft_tokens_accepted", "Draft tokens the model agreed with",
+                                  value=self.num_draft_accepted)
 
 
 class ServerMetrics:
@@ -31,6 +47,8 @@ class ServerMetrics:
         self.blocks_total = Gauge("localllm_kv_blocks_total", "KV cache blocks in all", registry=r)
         self.blocks_cached = Gauge("localllm_kv_blocks_cached", "KV blocks holding a reusable prefix", registry=r)
         self.preemptions = Gauge("localllm_preemptions_total", "Sequences preempted and recomputed", registry=r)
+        self.engine_counters = _EngineCounters()
+        r.register(self.engine_counters)
 
     def observe(self, m: RequestMetrics | None) -> None:
         if m is None:
@@ -53,4 +71,6 @@ class ServerMetrics:
         self.blocks_total.set(stats.num_blocks_total)
         self.blocks_cached.set(stats.num_blocks_cached)
         self.preemptions.set(stats.num_preemptions)
+        self.engine_counters.num_draft_proposed = stats.num_draft_proposed
+        self.engine_counters.num_draft_accepted = stats.num_draft_accepted
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

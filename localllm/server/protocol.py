@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 
 class _Request(BaseModel):
@@ -87,6 +87,10 @@ class _Sampling(_Request):
     top_k: int | None = Field(default=None, ge=0)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repeat_penalty: float | None = Field(default=None, gt=0)
+    # localllm's own: false turns prompt-lookup drafting off for this request, true drafts at
+    # every step where the prompt offers a match, absent follows the server (which drafts
+    # where it pays, or never with `serve --no-spec`). Strict: "yes" or 1 is a 400.
+    speculative: StrictBool | None = None
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:

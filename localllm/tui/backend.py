@@ -42,6 +42,8 @@ class Chunk:
     cached_tokens: int | None = None
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_draft_proposed: int | None = None  # prompt-lookup drafts of the answer (local, at the end)
+    num_draft_accepted: int | None = None
 
 
 @dataclass
@@ -55,6 +57,8 @@ class Figures:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     finish_reason: str | None = None
+    num_draft_proposed: int | None = None  # None: not known (a remote server)
+    num_draft_accepted: int | None = None
 
     def observe(self, chunk: Chunk, now: float | None = None) -> None:
         now = time.perf_counter() if now is None else now
@@ -67,6 +71,8 @@ class Figures:
             self.prompt_tokens = chunk.prompt_tokens
         if chunk.cached_tokens is not None:
             self.cached_tokens = chunk.cached_tokens
+        if chunk.num_draft_proposed is not None:
+            self.num_draft_proposed, self.num_draft_accepted = chunk.num_draft_proposed, chunk.num_draft_accepted
         if chunk.finished:
             self.finish_reason = chunk.finish_reason
 
@@ -84,7 +90,8 @@ class Figures:
         """What is saved with the answer, so a resumed conversation shows its figures."""
         return {"ttft": self.ttft, "tokens_per_s": self.tokens_per_s, "tokens": self.num_tokens,
                 "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-                "finish_reason": self.finish_reason}
+                "finish_reason": self.finish_reason, "draft_proposed": self.num_draft_proposed,
+                "draft_accepted": self.num_draft_accepted}
 
 
 @dataclass(frozen=True)
@@ -174,6 +181,9 @@ class LocalBackend:
                     chunk.cached_tokens = (metrics.num_cached_tokens if metrics is not None
                                            else out.num_cached_tokens)
                     first = False
+                if out.metrics is not None:  # the last chunk
+                    chunk.num_draft_proposed = out.metrics.num_draft_proposed
+                    chunk.num_draft_accepted = out.metrics.num_draft_accepted
                 yield chunk
         finally:
             self._request_id = None

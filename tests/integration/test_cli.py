@@ -134,7 +134,7 @@ def test_bench_json(qwen_path):
                     "--max-tokens", "8", "--json", "--threads", "2")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert report["threads"] == 2 and report["batch_tokens"] == 256
+    assert report["threads"] == 2 and report["batch_tokens"] == 256 and report["speculative"] is True
     results = report["results"]
     assert [r["concurrency"] for r in results] == [1, 2]
     for r in results:
@@ -146,6 +146,16 @@ def test_bench_json(qwen_path):
                     "ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s"):
             assert r[key] > 0, (key, r)
         assert r["ttft_p95_s"] >= r["ttft_p50_s"] and r["tpot_p95_s"] >= r["tpot_p50_s"]
+        assert 0 <= r["draft_accepted"] <= r["draft_proposed"]
+
+
+def test_bench_no_spec_proposes_no_drafts(qwen_path):
+    proc = localllm("bench", qwen_path, "--concurrency", "1", "--prompt-tokens", "32", "--max-tokens", "8",
+                    "--json", "--threads", "2", "--no-spec")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["speculative"] is False
+    assert [(r["draft_proposed"], r["draft_accepted"]) for r in report["results"]] == [(0, 0)]
 
 
 # -- failures: exit 2, one line that names the problem -----------------------------------

@@ -489,6 +489,49 @@ def test_many_cancelled_streams_leave_the_server_clean(live_server, http, client
     assert "Traceback" not in new_log and "ERROR" not in new_log, new_log[-4000:]
 
 
+def test_speculative_must_be_a_boolean(client, http, model_id):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_id, messages=FRANCE, max_tokens=4,
+                                       extra_body={"speculative": "yes"})
+    assert e.value.status_code == 400
+    assert e.value.param == "speculative"
+    for path, body in (("/v1/chat/completions", {"model": model_id, "messages": FRANCE, "max_tokens": 4}),
+                       ("/v1/completions", {"model": model_id, "prompt": "x", "max_tokens": 4})):
+        for bad in ("yes", "true", 1, [True]):
+            err = error_body(http.post(path, json=body | {"speculative": bad}), 400)
+            assert err == {"message": "invalid value for 'speculative': Input should be a valid boolean",
+                           "type": "invalid_request_error", "param": "speculative", "code": "invalid_value"}
+
+
+COUNTING = "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3,"  # greedy continues it: drafts from the prompt agree
+
+
+def test_speculative_false_turns_drafting_off_and_metrics_count_drafts(client, http, model_id):
+    proposed, accepted = "localllm_draft_tokens_proposed_total", "localllm_draft_tokens_accepted_total"
+    text = http.get("/metrics").text.splitlines()
+    assert f"# TYPE {proposed} counter" in text and f"# TYPE {accepted} counter" in text
+
+    before = metrics(http)
+    r = client.completions.create(model=model_id, prompt=COUNTING, temperature=0, max_tokens=16,
+                                  extra_body={"speculative": False})
+    assert r.usage.completion_tokens > 0
+    chat = client.chat.completions.create(model=model_id, messages=FRANCE, temperature=0, max_tokens=8,
+                                          extra_body={"speculative": False})
+    assert chat.choices[0].message.content
+    after = metrics(http)
+    assert (after[proposed], after[accepted]) == (before[proposed], before[accepted])
+
+    r = client.completions.create(model=model_id, prompt=COUNTING, temperature=0, max_tokens=16,
+                                  extra_body={"speculative": True})
+    assert r.usage.completion_tokens > 0
+    chat = client.chat.completions.create(model=model_id, messages=FRANCE, temperature=0, max_tokens=8,
+                                          extra_body={"speculative": True})
+    assert chat.choices[0].message.content
+    drafted = metrics(http)
+    assert drafted[proposed] > after[proposed]
+    assert 0 < drafted[accepted] - after[accepted] <= drafted[proposed] - after[proposed]
+
+
 # -- metrics and schema ----------------------------------------------------------------------
 
 

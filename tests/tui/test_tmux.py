@@ -37,8 +37,10 @@ QUESTION = "What is 2+2? Answer in one sentence."
 ESSAY = "Write a 3000 word essay about the history of computing, with many sections."
 FOLLOW_UP = "Thanks. Name one early computer."
 
-# The status bar: "MODEL · STATE │ TTFT 152 ms │ 32.8 tok/s │ prompt 34 / cached 0 │ KV 0% of 4,096"
+# The status bar: "MODEL · STATE │ TTFT 152 ms │ 32.8 tok/s │ prompt 34 / cached 0 │ KV 0% of 4,096",
+# with "│ draft 41/43 │" before "prompt" after an answer that drafted (greedy, as here).
 STATUS = re.compile(r"· (?P<state>[a-z][a-z ]*?)\s+│\s+TTFT (?P<ttft>\d+ ms|-)\s+│\s+(?P<speed>[\d.]+|-) tok/s"
+                    r"(?:\s+│\s+draft (?P<draft>[\d,]+/[\d,]+))?"
                     r"\s+│\s+prompt (?P<prompt>\d[\d,]*|-) / cached (?P<cached>\d[\d,]*|-)"
                     r"(?:\s+│\s+KV (?P<kv>\S.*?))?\s*$")
 KV_USED = re.compile(r"^(\d+)% of [\d,]+")

@@ -33,7 +33,8 @@ def test_figures_of_a_streamed_answer():
     f.observe(Chunk(finished=True, finish_reason="stop"), now=12.0)
     assert f.last == 11.5  # a chunk without tokens does not move the rate's clock
     assert f.to_dict() == {"ttft": 0.5, "tokens_per_s": 3.0, "tokens": 4, "prompt_tokens": 40,
-                           "cached_tokens": 32, "finish_reason": "stop"}
+                           "cached_tokens": 32, "finish_reason": "stop", "draft_proposed": None,
+                           "draft_accepted": None}
     assert json.loads(json.dumps(f.to_dict())) == f.to_dict()
 
 
@@ -48,7 +49,18 @@ def test_figures_of_an_answer_stopped_before_its_first_token():
     f = Figures(start=5.0)
     f.observe(Chunk(finished=True, finish_reason="abort", prompt_tokens=7, cached_tokens=0), now=5.5)
     assert f.to_dict() == {"ttft": None, "tokens_per_s": None, "tokens": 0, "prompt_tokens": 7,
-                           "cached_tokens": 0, "finish_reason": "abort"}
+                           "cached_tokens": 0, "finish_reason": "abort", "draft_proposed": None,
+                           "draft_accepted": None}
+
+
+def test_figures_take_the_draft_counts_of_the_last_chunk():
+    f = Figures(start=0.0)
+    f.observe(Chunk("a", 1), now=1.0)
+    assert (f.num_draft_proposed, f.num_draft_accepted) == (None, None)  # not known while streaming
+    f.observe(Chunk("bcd", 3, finished=True, finish_reason="stop", num_draft_proposed=430, num_draft_accepted=412),
+              now=2.0)
+    assert (f.num_tokens, f.num_draft_proposed, f.num_draft_accepted) == (4, 430, 412)
+    assert (f.to_dict()["draft_proposed"], f.to_dict()["draft_accepted"]) == (430, 412)
 
 
 def test_figures_later_prompt_figures_replace_earlier_ones():

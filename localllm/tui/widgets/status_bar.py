@@ -41,8 +41,10 @@ class StatusBar(Static):
         if len(model) > 32:
             model = model[:31] + "…"
         parts = [f"{model} · {self.state}",
-                 f"TTFT {ttft}", f"{speed} tok/s",
-                 f"prompt {_fmt_int(a.get('prompt_tokens'))} / cached {_fmt_int(a.get('cached_tokens'))}"]
+                 f"TTFT {ttft}", f"{speed} tok/s"]
+        if a.get("draft_proposed"):  # only answers that drafted (on the local engine)
+            parts.append(f"draft {a['draft_accepted']:,}/{a['draft_proposed']:,}")
+        parts.append(f"prompt {_fmt_int(a.get('prompt_tokens'))} / cached {_fmt_int(a.get('cached_tokens'))}")
         if self.engine is not None and self.engine.kv_total:
             e = self.engine
             parts.append(f"KV {100 * e.kv_used / e.kv_total:.0f}% of {e.kv_total:,}")

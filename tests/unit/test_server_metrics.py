@@ -1,0 +1,30 @@
+"""/metrics's exposition of the engine's figures, from EngineStats alone (no server, no model)."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from localllm.engine.metrics import EngineStats
+from localllm.server.metrics import ServerMetrics
+
+
+def _stats(num_draft_proposed: int, num_draft_accepted: int) -> EngineStats:
+    return EngineStats(num_waiting=0, num_running=1, num_blocks_used=3, num_blocks_total=256, num_blocks_cached=2,
+                       num_preemptions=0, num_steps=9, num_prompt_tokens_computed=40, num_tokens_generated=12,
+                       num_draft_proposed=num_draft_proposed, num_draft_accepted=num_draft_accepted)
+
+
+def _drafts(body: bytes) -> dict[str, tuple[str, float]]:
+    return {f.name: (f.type, s.value) for f in text_string_to_metric_families(body.decode())
+            for s in f.samples if f.name.startswith("localllm_draft") and s.name.endswith("_total")}
+
+
+def test_draft_counters_follow_the_engine_stats_at_each_scrape():
+    m = ServerMetrics()
+    body, _ = m.render(_stats(0, 0))
+    assert "# TYPE localllm_draft_tokens_proposed_total counter" in body.decode().splitlines()
+    assert _drafts(body) == {"localllm_draft_tokens_proposed": ("counter", 0.0),
+                             "localllm_draft_tokens_accepted": ("counter", 0.0)}
+    body, _ = m.render(_stats(430, 412))
+    assert _drafts(body) == {"localllm_draft_tokens_proposed": ("counter", 430.0),
+                             "localllm_draft_tokens_accepted": ("counter", 412.0)}
