@@ -511,22 +511,19 @@ def test_speculative_false_turns_drafting_off_and_metrics_count_drafts(client, h
     text = http.get("/metrics").text.splitlines()
     assert f"# TYPE {proposed} counter" in text and f"# TYPE {accepted} counter" in text
 
+    def send_both(speculative: bool) -> None:  # a completion and a chat, drafting as asked
+        r = client.completions.create(model=model_id, prompt=COUNTING, temperature=0, max_tokens=16,
+                                      extra_body={"speculative": speculative})
+        assert r.usage.completion_tokens > 0
+        chat = client.chat.completions.create(model=model_id, messages=FRANCE, temperature=0, max_tokens=8,
+                                              extra_body={"speculative": speculative})
+        assert chat.choices[0].message.content
+
     before = metrics(http)
-    r = client.completions.create(model=model_id, prompt=COUNTING, temperature=0, max_tokens=16,
-                                  extra_body={"speculative": False})
-    assert r.usage.completion_tokens > 0
-    chat = client.chat.completions.create(model=model_id, messages=FRANCE, temperature=0, max_tokens=8,
-                                          extra_body={"speculative": False})
-    assert chat.choices[0].message.content
+    send_both(False)
     after = metrics(http)
     assert (after[proposed], after[accepted]) == (before[proposed], before[accepted])
-
-    r = client.completions.create(model=model_id, prompt=COUNTING, temperature=0, max_tokens=16,
-                                  extra_body={"speculative": True})
-    assert r.usage.completion_tokens > 0
-    chat = client.chat.completions.create(model=model_id, messages=FRANCE, temperature=0, max_tokens=8,
-                                          extra_body={"speculative": True})
-    assert chat.choices[0].message.content
+    send_both(True)
     drafted = metrics(http)
     assert drafted[proposed] > after[proposed]
     assert 0 < drafted[accepted] - after[accepted] <= drafted[proposed] - after[proposed]
