@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from localllm.engine.request import SamplingParams, Sequence
-from localllm.engine.spec_decode import verify_greedy, verify_sampled
+from localllm.engine.spec_decode import verify
 
 # Enough for the top_p nucleus of almost any real next-token distribution, and still
 # sorted in well under a millisecond.
@@ -75,28 +75,11 @@ class Sampler:
 
     def verify(self, seq: Sequence, draft: list[int], rows: np.ndarray) -> tuple[list[int], int]:
         """(tokens to emit, draft tokens accepted) for seq's draft, from rows (len(draft) + 1,
-        vocab): row i is the model's logits after the draft's first i tokens. Greedy keeps the
-        drafts the argmax agrees with; sampling accepts each with the model's probability and
-        draws from seq's own RNG (spec_decode.verify_sampled). seq has no penalties (the engine
-        drafts for none): each row's distribution depends on its logits alone."""
-        params = seq.params
-        if params.is_greedy:
-            num_accepted, next_token = verify_greedy(draft, rows.argmax(axis=-1))
-            return list(draft[:num_accepted]) + [next_token], num_accepted
-        probs = np.stack([self.probs(params, row) for row in rows])  # (len(draft) + 1, vocab)
-        return verify_sampled(draft, probs, self._rng(seq))
-
-    def probs(self, params: SamplingParams, logits: np.ndarray) -> np.ndarray:
-        """The distribution (vocab,) float64 that ``sample`` draws from for a sampling request
-        without penalties: after temperature, top_k, top_p and min_p."""
-        scaled = logits if params.temperature == 1.0 else np.divide(logits, params.temperature, dtype=np.float32)
-        ids, weights = self._support(scaled, params)
-        p = np.zeros(logits.shape[0], dtype=np.float64)
-        if ids is None:
-            p[:] = weights
-        else:
-            p[ids] = weights
-        return p / p.sum()
+        vocab): row i is the model's logits after the draft's first i tokens. Each row gives
+        the token ``sample`` would (spec_decode.verify): the same argmax, or the same draw from
+        seq's own RNG. seq has no penalties (the engine drafts for none), so a row's
+        distribution does not depend on the drafts before it."""
+        return verify(draft, lambda i: self.sample(seq, rows[i])[0])
 
     def free(self, seq_id: int) -> None:
         """Forget the RNG of a finished sequence."""

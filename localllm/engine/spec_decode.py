@@ -6,16 +6,15 @@ One decode step with a draft, for a sequence whose tokens end in ``... a b c``::
 
     index.propose(k)          -> draft [d0, d1, d2]     (what followed ``a b c`` earlier)
     the model computes c, d0, d1, d2 in one pass      -> rows 0..3, row i = next after draft[:i]
-    verify_greedy / verify_sampled                    -> emitted [d0, d1, y]: 2 drafts kept
+    verify(draft, pick)                              -> emitted [d0, d1, y]: 2 drafts kept
     the KV of the rejected d2 is rolled back; y is the next step's input token
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 
 
 class NgramIndex:
@@ -294,62 +293,28 @@ class Drafter:
         self._seqs.pop(seq_id, None)
 
 
-def verify_greedy(draft: Sequence[int], target_argmax: Sequence[int]) -> tuple[int, int]:
-    """(number of draft tokens accepted, the next token) for a greedy request.
+def verify(draft: Sequence[int], pick: Callable[[int], int]) -> tuple[list[int], int]:
+    """(tokens to emit, draft tokens accepted) for one sequence's draft.
 
-    target_argmax has len(draft) + 1 entries: entry i is the model's token after the prefix
-    and draft[:i]. The drafts are kept while they equal the model's own tokens; the next token
-    is the model's at the first mismatch, or after the last draft when all were kept.
+    pick(i) is the token the sequence takes from the model's row i (its next token after the
+    prefix and draft[:i]): the argmax for a greedy request, a draw from its own RNG for a
+    sampling one. Rows are picked in order, and only until a pick differs from the draft (or
+    every draft was kept, and the last row gives one more token).
 
-    >>> verify_greedy([5, 6, 7], [5, 6, 9, 2])
-    (2, 9)
+    Every emitted token is exactly the token plain decoding would have taken from that row,
+    with the same draw from the same RNG: a draft only decides how many rows one step can
+    use. So the output is the model's distribution, and a seed gives the same tokens with
+    drafting on or off. For a sampling request a draft x is kept with probability p(x), as
+    in speculative sampling (Leviathan et al. 2023) with a one-hot draft, of which this is
+    the coupling that keeps each draft most often.
+
+    >>> verify([5, 6, 7], [5, 6, 9, 2].__getitem__)
+    ([5, 6, 9], 2)
     """
-    if len(target_argmax) != len(draft) + 1:
-        raise ValueError(f"{len(draft)} draft tokens need {len(draft) + 1} target tokens, "
-                         f"got {len(target_argmax)}")
-    n = 0
-    while n < len(draft) and int(draft[n]) == int(target_argmax[n]):
-        n += 1
-    return n, int(target_argmax[n])
-
-
-def verify_sampled(draft: Sequence[int], target_probs: np.ndarray,
-                   rng: np.random.Generator) -> tuple[list[int], int]:
-    """(emitted tokens, number of draft tokens accepted) for a sampling request.
-
-    target_probs (len(draft) + 1, vocab): row i is the model's final sampling distribution
-    (after penalties, temperature, top-k/p, min-p) after the prefix and draft[:i]. This is
-    speculative sampling (Leviathan et al. 2023, Chen et al. 2023) with a one-hot draft
-    distribution q_i = [x_i]: accept x_i with probability min(1, p_i(x_i) / q_i(x_i)) =
-    p_i(x_i); on the first rejection draw from normalize(max(p_i - q_i, 0)), which is p_i
-    with x_i zeroed, and stop; when all are accepted draw one more token from the last row.
-
-    Why the output is distributed as p: at a position with draft x, for y != x,
-    P(emit y) = (1 - p(x)) * p(y) / (1 - p(x)) = p(y), and P(emit x) = p(x). Example:
-    p = (0.5, 0.3, 0.2), draft 1: token 1 comes out with 0.3; else (0.7) the residual
-    (0.5, 0, 0.2) / 0.7 gives 0 with 0.7 * 5/7 = 0.5 and 2 with 0.7 * 2/7 = 0.2. The next
-    position is reached only when x was emitted, and its row is conditioned on x, so the
-    first two tokens come out as p1(x) * p2(y | x), and so on by induction.
-    """
-    target_probs = np.asarray(target_probs)
-    if target_probs.ndim != 2 or target_probs.shape[0] != len(draft) + 1:
-        raise ValueError(f"{len(draft)} draft tokens need {len(draft) + 1} rows of "
-                         f"probabilities, got shape {target_probs.shape}")
-    emitted: list[int] = []
-    for i, x in enumerate(draft):
-        p = target_probs[i].astype(np.float64)  # (vocab,) a copy: x is zeroed on rejection
-        total = p.sum()
-        if rng.random() * total >= p[x]:
-            p[x] = 0.0
-            if p.sum() > 0.0:  # else p was one-hot on x up to rounding: x stands
-                return emitted + [_draw(rng, p)], i
-        emitted.append(int(x))
-    return emitted + [_draw(rng, target_probs[-1].astype(np.float64))], len(draft)
-
-
-def _draw(rng: np.random.Generator, weights: np.ndarray) -> int:
-    """An index into weights (vocab,) float64, drawn with probability proportional to it."""
-    cdf = np.cumsum(weights)  # (vocab,)
-    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-    # u can round up to cdf[-1]: then the last token that has weight
-    return min(i, int(np.searchsorted(cdf, cdf[-1])))
+    emitted = []
+    for i in range(len(draft) + 1):
+        token = int(pick(i))
+        emitted.append(token)
+        if i == len(draft) or token != draft[i]:
+            return emitted, i
+    raise AssertionError("unreachable: the last row always returns")

@@ -165,7 +165,8 @@ def test_sampling_with_drafts_keeps_the_models_distribution(qwen_path):
     guesses what followed the first color in the prompt), with drafting forced on and off,
     over 640 seeds each: a two-sample chi-square test on their joint counts must not reject
     (p > 0.001). The prompt is a random list of a few colors, so drafts from it are often
-    right and often wrong."""
+    right and often wrong. (The same seeds give mostly the same draws both ways: a verify
+    step takes each row's token with the draw plain sampling would use.)"""
     engine = LLMEngine(EngineConfig(model_path=qwen_path, cache=CacheConfig(n_ctx=8192), n_threads=2,
                                     scheduler=SchedulerConfig(max_num_seqs=64)))
     prompt = chat(engine, "Continue this list of random colors, one per line, with 20 more:\n"

@@ -16,8 +16,7 @@ from localllm.engine.spec_decode import (
     Drafter,
     NgramIndex,
     StepCost,
-    verify_greedy,
-    verify_sampled,
+    verify,
 )
 
 
@@ -303,94 +302,32 @@ def test_verified_drafts_update_acceptance_and_forget_drops_the_state():
     assert drafter.acceptance(1) is None
 
 
-# --- verify_greedy -------------------------------------------------------------------
+# --- verify --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("draft, target, expected", [
-    ([5, 6, 7], [5, 6, 7, 8], (3, 8)),  # all accepted, plus the model's next token
-    ([5, 6, 7], [5, 6, 9, 8], (2, 9)),  # first mismatch at 2: the model's token there
-    ([5, 6, 7], [1, 6, 7, 8], (0, 1)),  # the first draft is wrong: nothing accepted
-    ([5, 6, 7], [5, 1, 7, 8], (1, 1)),  # a later agreement after a mismatch does not count
-    ([], [4], (0, 4)),  # no draft: a plain decode step
+@pytest.mark.parametrize("draft, picks, expected", [
+    ([5, 6, 7], [5, 6, 7, 8], ([5, 6, 7, 8], 3)),  # all accepted, plus the model's next token
+    ([5, 6, 7], [5, 6, 9, 8], ([5, 6, 9], 2)),  # first mismatch at 2: the model's token there
+    ([5, 6, 7], [1, 6, 7, 8], ([1], 0)),  # the first draft is wrong: nothing accepted
+    ([5, 6, 7], [5, 1, 7, 8], ([5, 1], 1)),  # a later agreement after a mismatch does not count
+    ([], [4], ([4], 0)),  # no draft: a plain decode step
 ])
-def test_verify_greedy(draft, target, expected):
-    assert verify_greedy(draft, target) == expected
-    assert verify_greedy(np.array(draft, dtype=np.int64), np.array(target)) == expected
+def test_verify_keeps_drafts_while_the_picks_agree(draft, picks, expected):
+    asked = []
+
+    def pick(i: int) -> int:
+        asked.append(i)
+        return picks[i]
+
+    assert verify(draft, pick) == expected
+    assert asked == list(range(len(expected[0])))  # rows are picked in order, and no further
 
 
-def test_verify_greedy_needs_one_more_target_than_drafts():
-    with pytest.raises(ValueError):
-        verify_greedy([1, 2], [1, 2])
+P = np.array([0.5, 0.3, 0.2])
 
 
-# --- verify_sampled ------------------------------------------------------------------
-
-P1 = np.array([0.5, 0.3, 0.1, 0.1, 0.0])
-P2 = np.array([0.05, 0.15, 0.2, 0.25, 0.35])  # the row after token 1
-P3 = np.array([0.2, 0.2, 0.2, 0.2, 0.2])
-N = 40_000  # trials per draft choice; 200k in all over five first drafts
-
-
-def assert_distribution(counts: np.ndarray, n: int, expected: np.ndarray) -> None:
-    """Every cell within 5 binomial sigmas of n * expected; a cell of probability 0 is empty."""
-    for i, p in enumerate(expected):
-        tolerance = 5 * math.sqrt(n * p * (1 - p))
-        assert abs(counts[i] - n * p) <= tolerance, (i, counts[i] / n, p)
-
-
-@pytest.mark.parametrize("first_draft", [0, 1, 2, 3, 4])
-def test_first_emitted_token_follows_p_exactly(first_draft):
-    rng = np.random.default_rng(first_draft)
-    rows = np.stack([P1, P2, P3])
-    first = np.zeros(5, dtype=np.int64)
-    num_accepted = 0
-    for _ in range(N):
-        emitted, accepted = verify_sampled([first_draft, 3], rows, rng)
-        first[emitted[0]] += 1
-        num_accepted += accepted > 0
-        assert len(emitted) == accepted + 1
-    assert_distribution(first, N, P1)
-    # the draft is accepted with exactly its probability (never, for a zero-probability token)
-    assert abs(num_accepted - N * P1[first_draft]) <= 5 * math.sqrt(N * P1[first_draft] * (1 - P1[first_draft]))
-
-
-@pytest.mark.parametrize("draft", [[1], [1, 4], [1, 0]])
-def test_first_two_tokens_follow_p1_times_p2_when_the_draft_is_accepted(draft):
-    """With drafts 1 then 4 or 0 (or a single draft 1: the second token is the bonus draw),
-    the pair (1, y) comes out with probability P1[1] * P2[y]."""
-    rng = np.random.default_rng(7)
-    rows = np.stack([P1, P2, P3][:len(draft) + 1])
-    pairs = np.zeros(5, dtype=np.int64)
-    for _ in range(N):
-        emitted, _ = verify_sampled(draft, rows, rng)
-        if emitted[0] == 1:
-            pairs[emitted[1]] += 1
-    assert_distribution(pairs, N, P1[1] * P2)
-
-
-def test_all_drafts_accepted_emit_one_more_from_the_last_row():
-    one_hot = np.eye(5)  # (5, 5): row i puts all its mass on token i
-    emitted, accepted = verify_sampled([0, 1, 2], one_hot[[0, 1, 2, 3]], np.random.default_rng(0))
-    assert (emitted, accepted) == ([0, 1, 2, 3], 3)
-
-
-def test_a_zero_probability_draft_is_always_rejected_into_the_residual():
-    rows = np.array([[0.0, 0.0, 1.0, 0.0], [0.25, 0.25, 0.25, 0.25]])
-    assert verify_sampled([1], rows, np.random.default_rng(0)) == ([2], 0)
-
-
-class RoundsUp:
-    """An RNG stub whose uniform draws sit at the very top, where u * total can round to total."""
-
-    def random(self) -> float:
-        return 1.0
-
-
-def test_a_draft_holding_all_the_probability_is_accepted_even_when_u_rounds_up():
-    rows = np.array([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
-    assert verify_sampled([1], rows, RoundsUp()) == ([1, 2], 1)
-
-
-def test_verify_sampled_needs_one_row_per_position():
-    with pytest.raises(ValueError):
-        verify_sampled([1, 2], np.stack([P1, P2]), np.random.default_rng(0))
+def test_a_sampled_draft_is_kept_with_the_models_probability():
+    rng = np.random.default_rng(0)
+    n = 40_000
+    kept = sum(verify([1], lambda i: int(rng.choice(3, p=P)))[1] for _ in range(n))
+    assert abs(kept / n - P[1]) < 5 * math.sqrt(P[1] * (1 - P[1]) / n)
