@@ -9,6 +9,8 @@ from pathlib import Path
 from localllm.errors import UsageError
 
 MIN_CTX = 128
+PREFIX_CACHE_SIZE = 2 * 1024**3  # bytes the on-disk prefix cache may take
+PREFIX_CACHE_MIN_TOKENS = 256  # a prompt is stored once it has this many tokens not yet stored
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,17 @@ class EngineConfig:
     n_gpu_layers: int = -1  # -1: every layer that the GPU backend takes; 0: CPU only
     runner: str = "llamacpp"
     speculative: bool = True  # prompt-lookup drafting where it pays (see engine/spec_decode.py)
+    # The on-disk prefix cache (engine/prefix_store.py): None or a size of 0 turns it off.
+    # The CLI passes paths.prefix_cache_dir(); a bare EngineConfig keeps nothing on disk.
+    prefix_cache_dir: Path | None = None
+    prefix_cache_size: int = PREFIX_CACHE_SIZE
+    prefix_cache_min_tokens: int = PREFIX_CACHE_MIN_TOKENS
 
     def __post_init__(self) -> None:
+        if self.prefix_cache_size < 0:
+            raise UsageError(f"--prefix-cache-size {self.prefix_cache_size} must be 0 (off) or more")
+        if self.prefix_cache_min_tokens < 1:
+            raise UsageError(f"prefix_cache_min_tokens {self.prefix_cache_min_tokens} must be 1 or more")
         if self.n_threads < 0:
             raise UsageError(f"--threads {self.n_threads} must be 0 (auto) or more")
         if self.scheduler.max_num_batched_tokens > self.cache.n_ctx:

@@ -46,6 +46,11 @@ def cache_dir() -> Path:
     return user_cache_path(APP_NAME, appauthor=False)
 
 
+def prefix_cache_dir() -> Path:
+    """The on-disk prefix cache: the KV of long prompts, kept across restarts."""
+    return cache_dir() / "prefix"
+
+
 def models_dir() -> Path:
     """GGUF files a person placed here for localllm (imported as they are)."""
     return data_dir() / "models"

@@ -44,12 +44,26 @@ class KVListener(Protocol):
         """A cached block's contents are dropped: its memory is about to be reused."""
 
 
+class PrefixSource(Protocol):
+    """Prefixes kept outside the pool (the on-disk prefix store), offered at admission."""
+
+    def find(self, seq: Sequence, hashes: list[bytes], limit: int) -> int:
+        """How many of seq's first ``limit`` tokens a stored prefix gives (0: none); ``hashes``
+        are the chain hashes of all of seq's full blocks (the last may lie past ``limit``)."""
+
+    def load(self, seq: Sequence, num_tokens: int) -> bool:
+        """Put the found prefix's KV for seq's first ``num_tokens`` tokens into its storage
+        (its slot is attached, its blocks allocated). False when it cannot: the entry turned
+        out bad or the storage refused it; seq's storage is then empty."""
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, fingerprint: bytes = b"",
-                 listener: KVListener | None = None):
+                 listener: KVListener | None = None, prefix_source: PrefixSource | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.listener = listener
+        self.prefix_source = prefix_source
         self._root_hash = hashlib.blake2b(fingerprint, digest_size=16).digest()
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
@@ -133,17 +147,29 @@ class BlockManager:
         """Attach a new sequence's cached prefix; returns its number of new tokens, or 0
         (changing nothing) when the blocks for them do not suffice."""
         token_ids = seq.token_ids
+        hashes = self.prefix_hashes(token_ids, len(token_ids) // self.block_size)
         hits: list[int] = []
-        for h in self.prefix_hashes(token_ids, (len(token_ids) - 1) // self.block_size):
+        for h in hashes[:(len(token_ids) - 1) // self.block_size]:  # the last token is computed
             block_id = self._cached.get(h)
             if block_id is None:
                 break
             hits.append(block_id)
 
-        def room_for(num_hits: int, num_free: int) -> int:
-            num_new = min(len(token_ids) - num_hits * self.block_size, max_new_tokens)
-            needed = self.num_blocks_for(num_hits * self.block_size + num_new) - num_hits
+        def room_for(num_hits: int, num_free: int, num_cached: int | None = None) -> int:
+            if num_cached is None:
+                num_cached = num_hits * self.block_size
+            num_new = min(len(token_ids) - num_cached, max_new_tokens)
+            needed = self.num_blocks_for(num_cached + num_new) - num_hits
             return num_new if needed <= num_free else 0
+
+        if self.prefix_source is not None:
+            # A stored prefix at least a block longer than what the pool holds is loaded
+            # whole into fresh blocks (the pool's shorter hit is not shared then).
+            num_stored = self.prefix_source.find(seq, hashes, len(token_ids) - 1)
+            if num_stored >= (len(hits) + 1) * self.block_size:
+                num_new = room_for(0, len(self._free), num_stored)
+                if num_new:
+                    return self._allocate_stored(seq, num_stored, num_new, max_new_tokens)
 
         # Hit blocks sitting in the free list leave it, so they must not count as free room.
         num_free_hits = sum(1 for b in hits if self._ref_counts[b] == 0)
@@ -159,12 +185,35 @@ class BlockManager:
                 del seq.block_table[num_attached:]
         num_hits = len(seq.block_table)
         seq.num_computed_tokens = seq.num_cached_tokens = num_hits * self.block_size
+        seq.num_disk_tokens = 0
         self._seq_hashes[seq.seq_id] = self.prefix_hashes(token_ids, num_hits)
         num_new = room_for(num_hits, len(self._free))
         if num_new == 0:  # fewer hits than hoped, and the extra blocks are not there
             self.free(seq)
             seq.num_computed_tokens = seq.num_cached_tokens = 0
         return num_new
+
+    def _allocate_stored(self, seq: Sequence, num_stored: int, num_new: int, max_new_tokens: int) -> int:
+        """Admit ``seq`` with its first ``num_stored`` tokens loaded by the prefix source;
+        if loading fails it is computed from the start (the blocks taken still fit)."""
+        for _ in range(self.num_blocks_for(num_stored + num_new)):
+            block_id = next(iter(self._free))
+            self._evict(block_id)
+            self._take(block_id)
+            seq.block_table.append(block_id)
+        if self.listener is not None:
+            self.listener.attach(seq, 0)
+        self._seq_hashes[seq.seq_id] = []
+        if not self.prefix_source.load(seq, num_stored):
+            seq.num_computed_tokens = seq.num_cached_tokens = seq.num_disk_tokens = 0
+            return min(len(seq), max_new_tokens)
+        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_disk_tokens = num_stored
+        self.cache_full_blocks(seq)  # so that requests admitted next share them from the pool
+        return num_new
+
+    def hashes_of(self, seq: Sequence) -> list[bytes]:
+        """The chain hashes of seq's computed full blocks (named by cache_full_blocks)."""
+        return list(self._seq_hashes.get(seq.seq_id, ()))
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Name the sequence's newly computed full blocks by their chain hashes, so later

@@ -55,8 +55,18 @@ class LLMEngine:
         self.runner = runner if runner is not None else load_runner(config)
         self.tokenizer = Tokenizer(self.runner.vocab, name=Path(config.model_path).name)
         block_size = config.cache.block_size
+        self.prefix_store = None
+        if (config.prefix_cache_dir is not None and config.prefix_cache_size > 0
+                and hasattr(self.runner, "export_kv")):
+            from localllm.engine.prefix_store import PrefixStore
+
+            self.prefix_store = PrefixStore(
+                config.prefix_cache_dir, self.runner.fingerprint, block_size,
+                budget_bytes=config.prefix_cache_size, min_tokens=config.prefix_cache_min_tokens,
+                model_name=Path(config.model_path).name)
         self.block_manager = BlockManager(
-            self.runner.n_ctx // block_size, block_size, self.runner.fingerprint, listener=self.runner
+            self.runner.n_ctx // block_size, block_size, self.runner.fingerprint, listener=self.runner,
+            prefix_source=_StoredPrefixes(self.prefix_store, self.runner) if self.prefix_store else None,
         )
         self.max_model_len = self.block_manager.num_blocks * block_size
         # Sliding-window models drop cells as the window moves; a rollback could not restore
@@ -74,6 +84,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_prompt_tokens_computed = 0
         self.num_tokens_generated = 0
+        self.num_disk_cached_tokens = 0  # prompt tokens loaded from the on-disk prefix cache
 
     # -- requests -----------------------------------------------------------------------
 
@@ -150,6 +161,10 @@ class LLMEngine:
                 continue
             seq.num_computed_tokens += sched.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
+            if seq.num_output_tokens == 0 and seq.num_computed_tokens == seq.num_prompt_tokens:
+                self.num_disk_cached_tokens += seq.num_disk_tokens  # the prompt is in, once
+                if self.prefix_store is not None:
+                    self._store_prompt(seq)
             if not needs_logits:
                 continue
             sampled = self._sample(seq, logits[row])
@@ -164,6 +179,17 @@ class LLMEngine:
                 result.top_logprobs = [top_logprobs(logits[row - 1], seq.params.top_logprobs)]
             outputs.append(result)
         return outputs
+
+    def _store_prompt(self, seq: Sequence) -> None:
+        """Hand a just-prefilled prompt's KV to the prefix store (its writer thread writes it)
+        when enough of the prompt is not stored yet. Costs one copy of the KV here."""
+        prompt, store = seq.prompt_token_ids, self.prefix_store
+        hashes = self.block_manager.hashes_of(seq)
+        if not store.wants(prompt, hashes):
+            return
+        payload = self.runner.export_kv(seq, len(prompt))
+        if payload is not None:
+            store.save(prompt, hashes, payload)
 
     def _propose(self, candidates: list[tuple[Sequence, int]], num_tokens: int, num_outputs: int,
                  budget: int) -> dict[int, list[int]]:
@@ -305,9 +331,14 @@ class LLMEngine:
             num_tokens_generated=self.num_tokens_generated,
             num_draft_proposed=self.num_draft_proposed,
             num_draft_accepted=self.num_draft_accepted,
+            num_disk_cached_tokens=self.num_disk_cached_tokens,
         )
 
     def close(self) -> None:
+        """Finish the prefix store's queued writes, then free the model."""
+        if self.prefix_store is not None:
+            self.prefix_store.close()
+            self.prefix_store = None
         self.runner.close()
 
 
@@ -429,6 +460,33 @@ class AsyncEngine:
         # Shutting down: in-flight streams end with an error, not a hang.
         for o in self.engine.fail_all("the engine shut down"):
             self._deliver(o.request_id, LocalLLMError("the engine shut down before the request finished"))
+
+
+class _StoredPrefixes:
+    """The BlockManager's PrefixSource: entries of the on-disk prefix store, loaded by the runner."""
+
+    def __init__(self, store, runner):
+        self.store = store
+        self.runner = runner
+        self._found: tuple[int, object] | None = None  # (seq id, Found) of the latest find
+
+    def find(self, seq: Sequence, hashes: list[bytes], limit: int) -> int:
+        found = self.store.find(seq.token_ids, hashes, limit)
+        self._found = (seq.seq_id, found) if found is not None else None
+        return found.num_tokens if found is not None else 0
+
+    def load(self, seq: Sequence, num_tokens: int) -> bool:
+        latest, self._found = self._found, None
+        if latest is None or latest[0] != seq.seq_id:
+            return False
+        found = latest[1]
+        payload = self.store.read(found, seq.token_ids)
+        if payload is None:
+            return False
+        status = self.runner.import_kv(seq, payload, num_tokens)
+        if status == "refused":
+            self.store.reject(found, "llama.cpp did not accept its KV bytes")
+        return status == "ok"
 
 
 def _can_draft(params: SamplingParams) -> bool:

@@ -10,7 +10,7 @@ from localllm.engine.request import Sequence
 @dataclass(frozen=True)
 class RequestMetrics:
     num_prompt_tokens: int
-    num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache (memory or disk)
     num_generated_tokens: int
     num_preemptions: int
     finish_reason: str | None
@@ -19,6 +19,7 @@ class RequestMetrics:
     e2e: float | None  # seconds from arrival to finish
     num_draft_proposed: int = 0
     num_draft_accepted: int = 0
+    num_disk_cached_tokens: int = 0  # of num_cached_tokens, those loaded from the on-disk cache
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
@@ -49,6 +50,7 @@ class RequestMetrics:
             e2e=seq.finish_time - seq.arrival_time if seq.finish_time else None,
             num_draft_proposed=seq.num_draft_proposed,
             num_draft_accepted=seq.num_draft_accepted,
+            num_disk_cached_tokens=seq.num_disk_tokens,
         )
 
 
@@ -65,6 +67,7 @@ class EngineStats:
     num_tokens_generated: int
     num_draft_proposed: int = 0  # speculative draft tokens checked, and of those accepted
     num_draft_accepted: int = 0
+    num_disk_cached_tokens: int = 0  # prompt tokens loaded from the on-disk prefix cache
 
     @property
     def kv_usage(self) -> float:

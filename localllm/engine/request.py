@@ -95,7 +95,8 @@ class Sequence:
     """One generation stream: prompt tokens, output tokens and where its KV stands.
 
     ``num_computed_tokens`` tokens have KV in the cache (``num_cached_tokens`` of them came
-    from the prefix cache instead of being computed). ``block_table`` lists the KV blocks
+    from the prefix cache instead of being computed, ``num_disk_tokens`` of those from the
+    on-disk prefix store). ``block_table`` lists the KV blocks
     holding positions 0, block_size, 2*block_size, ... in order.
     """
 
@@ -109,6 +110,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    num_disk_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)  # this step's guesses, checked by the model
     num_draft_proposed: int = 0

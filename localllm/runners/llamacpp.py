@@ -358,7 +358,10 @@ class LlamaCppRunner:
         self.vocab = LlamaVocab(self.model)
         self.n_vocab = self.vocab.n_vocab
         st = path.stat()
-        self.fingerprint = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|llamacpp|f16".encode()
+        # What the KV bytes depend on: the file, this runner and its llama.cpp (the state
+        # format), the KV type and whether V is stored transposed (flash attention off).
+        self.fingerprint = (f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|llamacpp {L.__version__}|"
+                            f"f16|fa {int(cparams.flash_attn_type)}|ngl {self.n_gpu_layers}").encode()
         self._init_batch()
         self._free_slots = list(range(self.n_slots - 1, -1, -1))
         self._active: dict[int, int] = {}  # seq_id -> slot
@@ -561,6 +564,49 @@ class LlamaCppRunner:
         L.llama_memory_seq_rm(self.mem, slot, -1, -1)
         self._free_slots.append(slot)
         return dropped
+
+    # -- the prefix store's bytes ---------------------------------------------------------
+
+    def export_kv(self, seq: Sequence, num_tokens: int):
+        """The KV of seq's first ``num_tokens`` positions as llama.cpp's sequence state (a
+        ctypes buffer), when its slot holds exactly those; else None."""
+        slot = self._active.get(seq.seq_id)
+        if slot is None:
+            return None
+        lo = L.llama_memory_seq_pos_min(self.mem, slot)
+        hi = L.llama_memory_seq_pos_max(self.mem, slot)
+        if hi != num_tokens - 1 or lo < 0 or (self.n_swa == 0 and lo != 0):
+            return None
+        size = L.llama_state_seq_get_size(self.ctx, slot)
+        buf = (ctypes.c_uint8 * size)()
+        if L.llama_state_seq_get_data(self.ctx, buf, size, slot) != size:
+            return None
+        return buf
+
+    def import_kv(self, seq: Sequence, payload, num_tokens: int) -> str:
+        """Load bytes of ``export_kv`` into seq's (attached, empty) slot and keep its first
+        ``num_tokens`` positions. "ok"; "refused" when llama.cpp does not take the bytes;
+        "inexact" when a sliding-window model's cells would not reach back far enough to give
+        the logits a full computation gives. The slot is left empty unless "ok"."""
+        slot = self._active[seq.seq_id]
+        view = memoryview(payload)
+        buf = (ctypes.c_uint8 * view.nbytes).from_buffer(view)
+        if L.llama_state_seq_set_data(self.ctx, buf, view.nbytes, slot) != view.nbytes:
+            L.llama_memory_seq_rm(self.mem, slot, -1, -1)
+            return "refused"
+        L.llama_memory_seq_rm(self.mem, slot, num_tokens, -1)
+        lo = L.llama_memory_seq_pos_min(self.mem, slot)
+        hi = L.llama_memory_seq_pos_max(self.mem, slot)
+        # The next position, num_tokens, attends to positions above num_tokens - n_swa.
+        reach = max(0, num_tokens - self.n_swa + 1) if self.n_swa else 0
+        if hi != num_tokens - 1 or lo < 0 or lo > reach:
+            L.llama_memory_seq_rm(self.mem, slot, -1, -1)
+            return "inexact" if self.n_swa and hi == num_tokens - 1 else "refused"
+        for i in range(-(-num_tokens // self.block_size)):
+            block_id = seq.block_table[i]
+            self._owners.setdefault(block_id, set()).add(slot)
+            self._block_index[block_id] = i
+        return "ok"
 
     # -- inspection ---------------------------------------------------------------------
 
