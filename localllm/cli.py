@@ -65,6 +65,21 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _size(text: str) -> int:
+    from localllm.engine.prefix_store import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_prefix_cache(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefix-cache-size", type=_size, default=None, metavar="SIZE",
+                   help="disk space for the KV of long prompts, kept across restarts "
+                        "(default 2GiB; 0 turns it off; `localllm cache` shows it)")
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a .gguf path, an installed name (`localllm ls`) or a catalog alias you pulled")
     p.add_argument("--ctx", type=_positive_int, default=DEFAULT_CTX, help="context size in tokens (KV cache)")
@@ -100,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=_nonneg_int, default=None)
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    _add_prefix_cache(run)
 
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible API on 127.0.0.1")
     serve.add_argument("--model", dest="model", required=True, help="a .gguf path, an installed name (`localllm ls`) or a catalog alias you pulled")
@@ -115,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--parallel", type=_positive_int, default=None, help="most sequences run at once (default 16)")
     serve.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all, 0: none)")
     _add_no_spec(serve)
+    _add_prefix_cache(serve)
 
     chat = sub.add_parser("chat", help="chat in the terminal (a Textual app)",
                           description="Chat in the terminal. Press F1 in the app for every key.")
@@ -135,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--threads", type=_nonneg_int, default=0, help="CPU threads (default: physical cores)")
     chat.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all, 0: none)")
     _add_no_spec(chat)
+    _add_prefix_cache(chat)
 
     pull = sub.add_parser("pull", help="download a model (alias, hf.co/OWNER/REPO[:QUANT], OWNER/REPO/FILE.gguf) "
                                        "or import a local .gguf")
@@ -162,6 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-tokens", type=_positive_int, default=128)
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
 
+    cache = sub.add_parser("cache", help="the on-disk prefix cache: ls, stats, clear")
+    cache_sub = cache.add_subparsers(dest="cache_command", metavar="ACTION", parser_class=_Parser)
+    cache_ls = cache_sub.add_parser("ls", help="list stored prompts, most recently used first")
+    cache_ls.add_argument("--json", action="store_true")
+    cache_stats = cache_sub.add_parser("stats", help="entries, tokens and bytes, per model")
+    cache_stats.add_argument("--json", action="store_true")
+    cache_clear = cache_sub.add_parser("clear", help="remove every entry")
+    cache_clear.add_argument("-y", "--yes", action="store_true", help="do not ask")
+
     doctor = sub.add_parser("doctor", help="what this machine and install can run (CPU, RAM, GPUs, llama.cpp, models)")
     doctor.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return parser
@@ -177,6 +204,14 @@ def _engine_config(args, model_path: Path | None = None):
         sched_kwargs["max_num_batched_tokens"] = args.ctx  # a small context gets a budget that fits
     if args.parallel is not None:
         sched_kwargs["max_num_seqs"] = args.parallel
+    cache_kwargs = {}
+    size = getattr(args, "prefix_cache_size", None)
+    if getattr(args, "command", None) != "bench" and size != 0:  # bench measures computing, not the disk
+        from localllm import paths
+
+        cache_kwargs["prefix_cache_dir"] = paths.prefix_cache_dir()
+        if size is not None:
+            cache_kwargs["prefix_cache_size"] = size
     return EngineConfig(
         model_path=model_path if model_path is not None else _model_path(args.model),
         cache=CacheConfig(n_ctx=args.ctx),
@@ -184,6 +219,7 @@ def _engine_config(args, model_path: Path | None = None):
         n_threads=args.threads,
         n_gpu_layers=args.gpu_layers,
         speculative=not args.no_spec,
+        **cache_kwargs,
     )
 
 
@@ -291,10 +327,32 @@ def cmd_serve(args) -> int:
     return serve(_engine_config(args), server_config)
 
 
+def cmd_cache(args) -> int:
+    from localllm.commands import cache
+
+    if args.cache_command is None:
+        raise UsageError("say what to do with the prefix cache: `localllm cache ls`, `stats` or `clear`")
+    if args.cache_command == "clear":
+        return cache.clear(yes=args.yes)
+    return {"ls": cache.ls, "stats": cache.stats}[args.cache_command](as_json=args.json)
+
+
 def cmd_doctor(args) -> int:
     from localllm.commands.doctor import doctor
 
     return doctor(as_json=args.json)
+
+
+def _log_to_stderr() -> None:
+    """Warnings from below the CLI (a dropped prefix-cache entry, a full disk) as one line each."""
+    import logging
+
+    logger = logging.getLogger("localllm")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("localllm: %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     # rather than die with UnicodeEncodeError halfway through a completion.
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
+    _log_to_stderr()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -310,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         handler = {"run": cmd_run, "bench": cmd_bench, "serve": cmd_serve, "chat": cmd_chat,
                    "pull": cmd_pull, "ls": cmd_ls, "rm": cmd_rm, "show": cmd_show,
-                   "doctor": cmd_doctor}[args.command]
+                   "cache": cmd_cache, "doctor": cmd_doctor}[args.command]
         return handler(args)
     except LocalLLMError as e:
         return _fail(str(e), e.exit_code)

@@ -30,3 +30,19 @@ def qwen_path() -> Path:
 @pytest.fixture(scope="session")
 def gemma_path() -> Path:
     return _model("gemma3-270m")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_cache_folder(tmp_path_factory):
+    """Every test, and every `localllm` process a test starts, keeps its prefix cache in a
+    folder of this session's own, never the user's: XDG_CACHE_HOME moves platformdirs' cache
+    folder (tests that need a particular home set LOCALLLM_HOME, which wins)."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("XDG_CACHE_HOME", None)
+        else:
+            os.environ["XDG_CACHE_HOME"] = old

@@ -16,10 +16,14 @@ def timing_line(metrics) -> str:
     decode = metrics.decode_tokens_per_s
     return (
         f"TTFT {ttft} · prompt {metrics.num_prompt_tokens} tokens "
-        f"({metrics.num_cached_tokens} cached) at {prefill or 0:.1f} tokens/s · "
+        f"({metrics.num_cached_tokens} cached{_disk(metrics)}) at {prefill or 0:.1f} tokens/s · "
         f"{metrics.num_generated_tokens} generated at {decode or 0:.1f} tokens/s · "
         f"finish {metrics.finish_reason}"
     )
+
+
+def _disk(metrics) -> str:
+    return f", {metrics.num_disk_cached_tokens} from disk" if metrics.num_disk_cached_tokens else ""
 
 
 def run(config: EngineConfig, prompt: str, params: SamplingParams, chat: bool = False,
@@ -53,6 +57,7 @@ def run(config: EngineConfig, prompt: str, params: SamplingParams, chat: bool = 
                 "finish_reason": finish,
                 "prompt_tokens": metrics.num_prompt_tokens,
                 "cached_tokens": metrics.num_cached_tokens,
+                "disk_cached_tokens": metrics.num_disk_cached_tokens,
                 "completion_tokens": metrics.num_generated_tokens,
                 "timings": {
                     "load_s": load_s,

@@ -40,6 +40,8 @@ class ServerMetrics:
         self.prompt_tokens = Counter("localllm_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter("localllm_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
                                      registry=r)
+        self.disk_cached_tokens = Counter("localllm_disk_cached_prompt_tokens",
+                                          "Prompt tokens loaded from the on-disk prefix cache", registry=r)
         self.generated_tokens = Counter("localllm_generation_tokens", "Generated tokens", registry=r)
         self.waiting = Gauge("localllm_requests_waiting", "Sequences waiting to run", registry=r)
         self.running = Gauge("localllm_requests_running", "Sequences running", registry=r)
@@ -62,6 +64,7 @@ class ServerMetrics:
         self.requests.labels(m.finish_reason or "unknown").inc()
         self.prompt_tokens.inc(m.num_prompt_tokens)
         self.cached_tokens.inc(m.num_cached_tokens)
+        self.disk_cached_tokens.inc(m.num_disk_cached_tokens)
         self.generated_tokens.inc(m.num_generated_tokens)
 
     def render(self, stats: EngineStats) -> tuple[bytes, str]:

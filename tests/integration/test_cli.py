@@ -75,7 +75,7 @@ def test_run_streams_text_and_one_timing_line(qwen_path, fib_json):
 
 def test_run_json(fib_json):
     assert set(fib_json) == {"text", "finish_reason", "prompt_tokens", "cached_tokens",
-                             "completion_tokens", "timings"}
+                             "disk_cached_tokens", "completion_tokens", "timings"}
     assert "return" in fib_json["text"]
     assert fib_json["finish_reason"] == "length"
     assert (fib_json["prompt_tokens"], fib_json["cached_tokens"], fib_json["completion_tokens"]) == (4, 0, 40)
