@@ -80,6 +80,15 @@ def _add_prefix_cache(p: argparse.ArgumentParser) -> None:
                         "(default 2GiB; 0 turns it off; `localllm cache` shows it)")
 
 
+def _add_runner(p: argparse.ArgumentParser) -> None:
+    from localllm.config import RUNNERS
+
+    p.add_argument("--runner", choices=RUNNERS, default="auto",
+                   help="what computes the model: llama.cpp, or localllm's own PyTorch models "
+                        "(qwen2, llama, gemma3; needs `pip install 'localllm[torch]'`); "
+                        "auto is llama.cpp for now (default)")
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a .gguf path, an installed name (`localllm ls`) or a catalog alias you pulled")
     p.add_argument("--ctx", type=_positive_int, default=DEFAULT_CTX, help="context size in tokens (KV cache)")
@@ -89,6 +98,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "other streams' token gaps short (default 256)")
     p.add_argument("--parallel", type=_positive_int, default=None, help="most sequences run at once (default 16)")
     p.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all that fit, 0: none)")
+    _add_runner(p)
     _add_no_spec(p)
 
 
@@ -130,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--batch-tokens", type=_positive_int, default=None, help="step token budget (default 256)")
     serve.add_argument("--parallel", type=_positive_int, default=None, help="most sequences run at once (default 16)")
     serve.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all, 0: none)")
+    _add_runner(serve)
     _add_no_spec(serve)
     _add_prefix_cache(serve)
 
@@ -151,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--ctx", type=_positive_int, default=DEFAULT_CTX, help="context size in tokens (KV cache)")
     chat.add_argument("--threads", type=_nonneg_int, default=0, help="CPU threads (default: physical cores)")
     chat.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all, 0: none)")
+    _add_runner(chat)
     _add_no_spec(chat)
     _add_prefix_cache(chat)
 
@@ -219,6 +231,7 @@ def _engine_config(args, model_path: Path | None = None):
         n_threads=args.threads,
         n_gpu_layers=args.gpu_layers,
         speculative=not args.no_spec,
+        runner=args.runner,
         **cache_kwargs,
     )
 
@@ -344,7 +357,8 @@ def cmd_doctor(args) -> int:
 
 
 def _log_to_stderr() -> None:
-    """Warnings from below the CLI (a dropped prefix-cache entry, a full disk) as one line each."""
+    """Warnings and notes from below the CLI (a dropped prefix-cache entry, a full disk, a
+    runner falling back) as one line each."""
     import logging
 
     logger = logging.getLogger("localllm")
@@ -352,7 +366,7 @@ def _log_to_stderr() -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("localllm: %(levelname)s: %(message)s"))
         logger.addHandler(handler)
-        logger.setLevel(logging.WARNING)
+        logger.setLevel(logging.INFO)
 
 
 def main(argv: list[str] | None = None) -> int:

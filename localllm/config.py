@@ -9,6 +9,8 @@ from pathlib import Path
 from localllm.errors import UsageError
 
 MIN_CTX = 128
+RUNNERS = ("auto", "torch", "llamacpp")
+KV_DTYPES = ("f16", "f32")
 PREFIX_CACHE_SIZE = 2 * 1024**3  # bytes the on-disk prefix cache may take
 PREFIX_CACHE_MIN_TOKENS = 256  # a prompt is stored once it has this many tokens not yet stored
 
@@ -24,8 +26,13 @@ class CacheConfig:
     block_size: int = 16
     # Context (KV cells) the runner allocates; num_blocks = n_ctx // block_size.
     n_ctx: int = 4096
+    # What K and V are stored as: "f16" (llama.cpp's default, with its flash attention) or
+    # "f32" (flash attention off: the exact reference the runners are compared in).
+    kv_dtype: str = "f16"
 
     def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPES:
+            raise UsageError(f"KV dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise UsageError(f"block size {self.block_size} is not a power of two; use 16 or 32")
         if self.n_ctx < MIN_CTX:
@@ -83,7 +90,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     n_threads: int = 0  # 0: physical cores
     n_gpu_layers: int = -1  # -1: every layer that the GPU backend takes; 0: CPU only
-    runner: str = "llamacpp"
+    runner: str = "auto"  # "auto" | "torch" | "llamacpp" (see engine.load_runner)
     speculative: bool = True  # prompt-lookup drafting where it pays (see engine/spec_decode.py)
     # The on-disk prefix cache (engine/prefix_store.py): None or a size of 0 turns it off.
     # The CLI passes paths.prefix_cache_dir(); a bare EngineConfig keeps nothing on disk.
@@ -92,6 +99,8 @@ class EngineConfig:
     prefix_cache_min_tokens: int = PREFIX_CACHE_MIN_TOKENS
 
     def __post_init__(self) -> None:
+        if self.runner not in RUNNERS:
+            raise UsageError(f"--runner {self.runner!r} is not a runner; use one of {', '.join(RUNNERS)}")
         if self.prefix_cache_size < 0:
             raise UsageError(f"--prefix-cache-size {self.prefix_cache_size} must be 0 (off) or more")
         if self.prefix_cache_min_tokens < 1:

@@ -4,6 +4,7 @@ background thread, an asyncio stream per request)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -24,6 +25,8 @@ from localllm.errors import LocalLLMError, UsageError
 from localllm.runners.base import Constraint, ModelRunner
 from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
+log = logging.getLogger("localllm.engine")
+
 
 @dataclass
 class RequestOutput:
@@ -42,11 +45,24 @@ class RequestOutput:
 
 
 def load_runner(config: EngineConfig) -> ModelRunner:
-    if config.runner == "llamacpp":
-        from localllm.runners.llamacpp import LlamaCppRunner
+    """The runner ``config.runner`` names. "auto" is the llama.cpp runner for now: the torch
+    runner computes in float32 and is slower on every device measured so far (see
+    docs/benchmarks.md). "torch" on an architecture it has no model for falls back to
+    llama.cpp with one info line."""
+    if config.runner == "torch":
+        try:
+            from localllm.runners.torch import models
+            from localllm.runners.torch.runner import TorchRunner, architecture
+        except ImportError as e:
+            raise UsageError(f"the torch runner needs PyTorch and the gguf package ({e}); "
+                             "install them with `pip install 'localllm[torch]'`, or use --runner llamacpp") from None
+        arch = architecture(Path(config.model_path))
+        if models.supported(arch):
+            return TorchRunner(config)
+        log.info("the torch runner has no model for the %s architecture; using llama.cpp", arch)
+    from localllm.runners.llamacpp import LlamaCppRunner
 
-        return LlamaCppRunner(config)
-    raise UsageError(f"unknown runner {config.runner!r}; use 'llamacpp'")
+    return LlamaCppRunner(config)
 
 
 class LLMEngine:

@@ -312,6 +312,32 @@ class LlamaConstraint:
             self._sampler = None
 
 
+class VocabFile:
+    """A GGUF file's vocabulary, and grammars over it, without its weights (llama.cpp's
+    vocab_only load): what the torch runner tokenizes and constrains with."""
+
+    def __init__(self, path: Path):
+        _init_backend()
+        check_gguf(path)
+        mparams = L.llama_model_default_params()
+        mparams.vocab_only = True
+        self.model = L.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self.model:
+            raise ModelLoadError(f"llama.cpp could not read the vocabulary of {path}; download it again")
+        self.vocab = LlamaVocab(self.model)
+        self._first_byte_index: _FirstByteIndex | None = None
+
+    def make_constraint(self, gbnf: str) -> LlamaConstraint:
+        if self._first_byte_index is None:
+            self._first_byte_index = _FirstByteIndex(self.vocab)
+        return LlamaConstraint(self.vocab, gbnf, self._first_byte_index)
+
+    def close(self) -> None:
+        if getattr(self, "model", None):
+            L.llama_model_free(self.model)
+            self.model = None
+
+
 class LlamaCppRunner:
     name = "llamacpp"
 
@@ -346,6 +372,9 @@ class LlamaCppRunner:
         cparams.n_threads = cparams.n_threads_batch = config.threads
         cparams.kv_unified = True
         cparams.no_perf = True
+        if config.cache.kv_dtype == "f32":
+            cparams.type_k = cparams.type_v = 0  # GGML_TYPE_F32
+            cparams.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             L.llama_model_free(self.model)
@@ -361,7 +390,7 @@ class LlamaCppRunner:
         # What the KV bytes depend on: the file, this runner and its llama.cpp (the state
         # format), the KV type and whether V is stored transposed (flash attention off).
         self.fingerprint = (f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|llamacpp {L.__version__}|"
-                            f"f16|fa {int(cparams.flash_attn_type)}|ngl {self.n_gpu_layers}").encode()
+                            f"{config.cache.kv_dtype}|fa {int(cparams.flash_attn_type)}|ngl {self.n_gpu_layers}").encode()
         self._init_batch()
         self._free_slots = list(range(self.n_slots - 1, -1, -1))
         self._active: dict[int, int] = {}  # seq_id -> slot

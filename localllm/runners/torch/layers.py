@@ -1,0 +1,85 @@
+"""The pieces every model family is built of: RMS norm, rotary embeddings, linear layers.
+
+Conventions are llama.cpp's, since the weights come from its GGUF files: rope "NORM"
+rotates adjacent pairs (x[2i], x[2i+1]) (llama: the converter permuted Q and K for it),
+rope "NEOX" rotates the halves (x[i], x[i + d/2]) (qwen2, gemma3).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from localllm.runners.torch.weights import GGUFWeights
+
+
+def gelu_ggml(x: torch.Tensor) -> torch.Tensor:
+    """GELU (tanh form) as llama.cpp's CPU kernel computes it: through a table indexed by the
+    input rounded to float16, holding float16 results; 0 below -10, x above 10."""
+    h = x.to(torch.float16).float()
+    y = (0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * h * (1.0 + 0.044715 * h * h)))).to(torch.float16)
+    y = y.to(x.dtype)
+    return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, y))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+class Rope:
+    """Rotary position embeddings for heads of ``head_dim``, computed per step from positions."""
+
+    def __init__(self, head_dim: int, base: float, neox: bool, device):
+        self.neox = neox
+        self.inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: (N, heads, hd); positions: (N,)."""
+        angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # (N, hd/2)
+        cos = angles.cos().to(torch.float32)[:, None, :]
+        sin = angles.sin().to(torch.float32)[:, None, :]
+        xf = x.float()
+        if self.neox:
+            half = xf.shape[-1] // 2
+            x1, x2 = xf[..., :half], xf[..., half:]
+            out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        else:
+            x1, x2 = xf[..., 0::2], xf[..., 1::2]
+            out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        return out.to(x.dtype)
+
+
+class Linear:
+    """y = x W^T (+ b), W (out, in) as floats."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+
+def load_linear(weights: GGUFWeights, name: str, act_dtype: torch.dtype, device, bias: bool = False):
+    """The layer ``name`` (its ``.weight``, and ``.bias`` when asked) in the scheme its storage
+    calls for (see quant.py); float weights in ``act_dtype`` when computing in float32 or off
+    the CPU (torch's int4 / int8 kernels used here are the CPU ones)."""
+    from localllm.runners.torch import quant
+
+    kind = weights.tensor_type(f"{name}.weight")
+    b = weights.get(f"{name}.bias").to(device) if bias else None
+    if act_dtype == torch.float32 or kind in quant.FLOAT_TYPES or torch.device(device).type != "cpu":
+        return Linear(weights.get(f"{name}.weight").to(device=device, dtype=act_dtype),
+                      b.to(act_dtype) if b is not None else None)
+    if kind == "Q4_K":
+        data, rows, cols = weights.raw(f"{name}.weight")
+        return quant.Int4Linear(*quant.q4k_groups(data, rows, cols), bias=b)
+    w = weights.get(f"{name}.weight")
+    if kind in quant.INT8_TYPES:
+        return quant.Int8Linear(w, bias=b)
+    return quant.Int4Linear(*quant.int4_groups(w), bias=b)  # Q4_0, Q4_1 and lower-bit types
+
+
+def vector(weights: GGUFWeights, name: str, dtype: torch.dtype, device) -> torch.Tensor:
+    return weights.get(name).to(device=device, dtype=dtype)

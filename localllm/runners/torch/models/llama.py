@@ -1,0 +1,65 @@
+"""Llama 3.x and Mistral (llama.cpp's ``llama`` architecture): RMS norm, rope on adjacent
+pairs, grouped-query attention, SwiGLU feed-forward, no biases."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from localllm.runners.torch.attention import AttnBatch, KVPool, paged_attention
+from localllm.runners.torch.layers import Rope, load_linear, rms_norm, vector
+from localllm.runners.torch.weights import GGUFWeights, ModelConfig
+
+
+class LlamaModel:
+    rope_neox = False
+    qkv_bias = False
+
+    def __init__(self, config: ModelConfig, weights: GGUFWeights, dtype: torch.dtype, device):
+        """dtype: what the matmuls take (float32, or bfloat16 for quantized weights); the
+        residual stream, norms, rope and attention stay float32."""
+        self.config, self.dtype, self.device = config, dtype, device
+        self.embed = weights.get("token_embd.weight").to(device=device, dtype=dtype)  # (vocab, d)
+        self.layers = [self._load_layer(weights, i) for i in range(config.n_layer)]
+        self.norm = vector(weights, "output_norm.weight", torch.float32, device)
+        self.lm_head = load_linear(weights, "output" if weights.has("output.weight") else "token_embd",
+                                   dtype, device)
+        self.rope = Rope(config.head_dim, config.rope_base, self.rope_neox, device)
+        self.scale = config.attn_scale or 1.0 / math.sqrt(config.head_dim)
+
+    def _load_layer(self, w: GGUFWeights, i: int) -> dict:
+        p, dt, dev, f32 = f"blk.{i}", self.dtype, self.device, torch.float32
+        return {
+            "attn_norm": vector(w, f"{p}.attn_norm.weight", f32, dev),
+            "q": load_linear(w, f"{p}.attn_q", dt, dev, bias=self.qkv_bias),
+            "k": load_linear(w, f"{p}.attn_k", dt, dev, bias=self.qkv_bias),
+            "v": load_linear(w, f"{p}.attn_v", dt, dev, bias=self.qkv_bias),
+            "o": load_linear(w, f"{p}.attn_output", dt, dev),
+            "ffn_norm": vector(w, f"{p}.ffn_norm.weight", f32, dev),
+            "gate": load_linear(w, f"{p}.ffn_gate", dt, dev),
+            "up": load_linear(w, f"{p}.ffn_up", dt, dev),
+            "down": load_linear(w, f"{p}.ffn_down", dt, dev),
+        }
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: AttnBatch,
+                pool: KVPool) -> torch.Tensor:
+        """Hidden states (N, d) after the final norm, for the flattened batch's tokens."""
+        c, dt = self.config, self.dtype
+        x = self.embed[tokens].float()
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer["attn_norm"], c.rms_eps).to(dt)
+            q = layer["q"](h).float().view(-1, c.n_head, c.head_dim)
+            k = layer["k"](h).float().view(-1, c.n_head_kv, c.head_dim)
+            v = layer["v"](h).float().view(-1, c.n_head_kv, c.head_dim)
+            q, k = self.rope(q, positions), self.rope(k, positions)
+            pool.write(i, batch.slots, k, v)
+            a = paged_attention(q, pool, i, batch, self.scale)
+            x = x + layer["o"](a.reshape(-1, c.n_head * c.head_dim).to(dt)).float()
+            h = rms_norm(x, layer["ffn_norm"], c.rms_eps).to(dt)
+            x = x + layer["down"]((F.silu(layer["gate"](h).float()) * layer["up"](h).float()).to(dt)).float()
+        return rms_norm(x, self.norm, c.rms_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden.to(self.dtype)).float()

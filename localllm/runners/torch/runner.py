@@ -1,0 +1,152 @@
+"""TorchRunner: the ModelRunner over localllm's own PyTorch models and a paged KV pool.
+
+The pool's blocks are the BlockManager's blocks, one for one, so keeping the storage in step
+is bookkeeping only: a shared prefix is the same block ids (attach takes every hit block),
+a released or evicted block keeps its bytes until the BlockManager hands it out again (and
+a later write overwrites it), a truncation just moves the sequence's length back.
+
+Tokenization and grammars use llama.cpp's vocabulary of the same file (VocabFile: no
+weights loaded), so both runners see the same token ids.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from localllm.config import EngineConfig
+from localllm.engine.request import Sequence
+from localllm.engine.scheduler import SchedulerOutput
+from localllm.errors import EngineError, ModelLoadError
+from localllm.runners.torch import models
+from localllm.runners.torch.attention import AttnBatch, KVPool
+from localllm.runners.torch.weights import GGUFWeights
+
+KV_DTYPES = {"f16": torch.float16, "f32": torch.float32}
+
+
+def pick_device() -> torch.device:
+    """CUDA, then Apple's MPS, then the CPU: the first that torch finds usable."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def architecture(path: Path) -> str | None:
+    """The GGUF's general.architecture, read without loading anything else."""
+    from localllm.gguf import read_info
+
+    return read_info(path).architecture
+
+
+class TorchRunner:
+    name = "torch"
+
+    def __init__(self, config: EngineConfig, device: torch.device | None = None):
+        from localllm.runners.llamacpp import VocabFile
+
+        path = Path(config.model_path)
+        self.device = device or pick_device()
+        if self.device.type == "cpu" and config.threads:
+            torch.set_num_threads(config.threads)
+        self.vocab_file = VocabFile(path)
+        self.vocab = self.vocab_file.vocab
+        weights = GGUFWeights(path)
+        self.config = weights.config()
+        if not models.supported(self.config.arch):
+            raise ModelLoadError(f"the torch runner has no model for the {self.config.arch!r} architecture; "
+                                 "use --runner llamacpp")
+        # Quantized files: int4 / int8 weights with bfloat16 matmuls (see quant.py); files of
+        # floats: float32 throughout (the exact path the parity tests compare).
+        self.weights_scheme = "int4-int8-bf16" if weights.is_quantized else "f32"
+        dtype = torch.bfloat16 if weights.is_quantized else torch.float32
+        self.model = models.build(self.config, weights, dtype, self.device)
+        self.block_size = config.cache.block_size
+        self.n_ctx = config.cache.num_blocks * self.block_size
+        c = self.config
+        self.kv_dtype = KV_DTYPES[config.cache.kv_dtype]
+        self.pool = KVPool(c.n_layer, config.cache.num_blocks, self.block_size, c.n_head_kv, c.head_dim,
+                           self.kv_dtype, self.device)
+        # Nothing slides out of the pool, so rollbacks and prefixes are exact on every model:
+        # to the engine this runner has no window.
+        self.n_swa = 0
+        st = path.stat()
+        self.fingerprint = (f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|torch {torch.__version__}|"
+                            f"{self.weights_scheme}|kv {config.cache.kv_dtype}").encode()
+        self._lengths: dict[int, int] = {}  # seq_id -> positions it has KV for
+
+    # -- a step -------------------------------------------------------------------------
+
+    def execute(self, out: SchedulerOutput) -> np.ndarray:
+        tokens, positions, spans, rows = [], [], [], []
+        n = 0
+        for sched in out.scheduled:
+            seq, k = sched.seq, sched.num_new_tokens
+            start = seq.num_computed_tokens
+            if sched.num_draft_tokens:
+                ids = [seq.token_at(start)] + list(seq.draft_token_ids)
+            elif start + k <= seq.num_prompt_tokens:
+                ids = seq.prompt_token_ids[start:start + k]
+            else:
+                ids = seq.token_ids[start:start + k]
+            if len(seq.block_table) * self.block_size < start + k:
+                raise EngineError(f"sequence {seq.seq_id} has blocks for {len(seq.block_table) * self.block_size} "
+                                  f"positions, not {start + k}")
+            tokens += ids
+            positions += range(start, start + k)
+            spans.append((seq.block_table, start, k))
+            if sched.needs_logits:
+                rows += range(n + k - sched.num_logits, n + k)
+            self._lengths[seq.seq_id] = start + k
+            n += k
+        if n == 0 or not rows:
+            if n:
+                self._forward(tokens, positions, spans, [])
+            return np.empty((0, self.vocab.n_vocab), dtype=np.float32)
+        return self._forward(tokens, positions, spans, rows)
+
+    @torch.inference_mode()
+    def _forward(self, tokens, positions, spans, rows) -> np.ndarray:
+        dev = self.device
+        batch = AttnBatch.build(spans, self.block_size, dev)
+        hidden = self.model.forward(torch.tensor(tokens, dtype=torch.long, device=dev),
+                                    torch.tensor(positions, dtype=torch.long, device=dev), batch, self.pool)
+        if not rows:
+            return np.empty((0, self.vocab.n_vocab), dtype=np.float32)
+        logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
+        return logits.float().cpu().numpy()
+
+    def make_constraint(self, gbnf: str):
+        return self.vocab_file.make_constraint(gbnf)
+
+    # -- KV bookkeeping (KVListener) ----------------------------------------------------
+
+    def attach(self, seq: Sequence, num_hit_blocks: int) -> int:
+        self._lengths[seq.seq_id] = num_hit_blocks * self.block_size
+        return num_hit_blocks
+
+    def release(self, seq: Sequence, kept_block_ids: list[int]) -> list[int]:
+        self._lengths.pop(seq.seq_id, None)
+        return []
+
+    def truncate(self, seq: Sequence, num_tokens: int, dropped_block_ids: list[int]) -> None:
+        self._lengths[seq.seq_id] = num_tokens
+
+    def evict(self, block_id: int) -> None:
+        pass
+
+    def seq_pos_range(self, seq_id: int) -> tuple[int, int] | None:
+        n = self._lengths.get(seq_id)
+        return (0, n - 1) if n else None
+
+    def close(self) -> None:
+        self.pool = None
+        self.model = None
+        if getattr(self, "vocab_file", None) is not None:
+            self.vocab_file.close()
+            self.vocab_file = None
