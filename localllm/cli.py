@@ -216,11 +216,11 @@ def _engine_config(args, model_path: Path | None = None):
         sched_kwargs["max_num_batched_tokens"] = args.ctx  # a small context gets a budget that fits
     if args.parallel is not None:
         sched_kwargs["max_num_seqs"] = args.parallel
-    cache_kwargs = {}
+    from localllm import paths
+
+    cache_kwargs = {"weights_cache_dir": paths.weights_cache_dir()}
     size = getattr(args, "prefix_cache_size", None)
     if getattr(args, "command", None) != "bench" and size != 0:  # bench measures computing, not the disk
-        from localllm import paths
-
         cache_kwargs["prefix_cache_dir"] = paths.prefix_cache_dir()
         if size is not None:
             cache_kwargs["prefix_cache_size"] = size

@@ -97,6 +97,8 @@ class EngineConfig:
     prefix_cache_dir: Path | None = None
     prefix_cache_size: int = PREFIX_CACHE_SIZE
     prefix_cache_min_tokens: int = PREFIX_CACHE_MIN_TOKENS
+    # The torch runner's converted weights (runners/torch/weight_cache.py); None: not kept.
+    weights_cache_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:

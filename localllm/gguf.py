@@ -84,6 +84,17 @@ class GGUFArray:
 
 
 @dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the table: where its bytes are (from the data section's start)."""
+
+    name: str
+    type_name: str  # "F32", "Q4_K", ...
+    shape: tuple[int, ...]  # GGUF order: the fastest-varying dimension first
+    offset: int
+    num_bytes: int
+
+
+@dataclass(frozen=True)
 class _Part:
     """What one file of a model holds."""
 
@@ -93,6 +104,8 @@ class _Part:
     num_tensors: int
     num_parameters: int
     tensor_bytes: int
+    data_start: int = 0
+    tensors: tuple[TensorEntry, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -288,6 +301,17 @@ def _split_paths(path: Path, meta: dict, split_count: int) -> list[Path]:
 # -- one file --------------------------------------------------------------------------------
 
 
+def tensor_table(path: str | Path) -> tuple[dict, int, tuple[TensorEntry, ...]]:
+    """(metadata, offset of the data section, the tensors) of a single-file GGUF model, checked
+    as read_info checks it; skipped arrays (the vocabulary) appear as GGUFArray."""
+    path = Path(path)
+    part = _read_part(path)
+    if (_get_count(path, part.metadata, "split.count") or 1) > 1:
+        raise ModelLoadError(f"{path} is one part of a split model, which the torch runner does not "
+                             "read yet; use --runner llamacpp")
+    return part.metadata, part.data_start, part.tensors
+
+
 def _read_part(path: Path) -> _Part:
     try:
         is_file = stat.S_ISREG(path.stat().st_mode)  # a FIFO or a device would block or never end
@@ -386,7 +410,8 @@ class _Parser:
             raise self.fail(f"its tensor data needs {data_start + data_size} bytes but the file has "
                             f"{self.end}; the file is truncated")
         return _Part(version=version, metadata=metadata, size_bytes=self.end, num_tensors=num_tensors,
-                     num_parameters=num_parameters, tensor_bytes=tensor_bytes)
+                     num_parameters=num_parameters, tensor_bytes=tensor_bytes, data_start=data_start,
+                     tensors=tuple(self.tensors))
 
     def key_values(self, num_kv: int) -> tuple[dict, dict[str, int]]:
         """The metadata, and each key's GGUF value type."""
@@ -459,6 +484,7 @@ class _Parser:
         """Checks the tensor table as llama.cpp does; returns (elements, tensor bytes, bytes
         of the data section up to the end of the last tensor)."""
         names: set[str] = set()
+        self.tensors: list[TensorEntry] = []
         num_parameters = tensor_bytes = data_size = 0
         for i in range(num_tensors):
             name = self.string(f"the name of tensor {i}")
@@ -495,4 +521,5 @@ class _Parser:
                 data_size = offset + num_bytes  # the last tensor needs no padding after it
             num_parameters += num_elements
             tensor_bytes += num_bytes
+            self.tensors.append(TensorEntry(name, type_name, tuple(shape), offset, num_bytes))
         return num_parameters, tensor_bytes, data_size

@@ -51,6 +51,11 @@ def prefix_cache_dir() -> Path:
     return cache_dir() / "prefix"
 
 
+def weights_cache_dir() -> Path:
+    """The torch runner's converted weights (safetensors), one file per model file."""
+    return cache_dir() / "weights"
+
+
 def models_dir() -> Path:
     """GGUF files a person placed here for localllm (imported as they are)."""
     return data_dir() / "models"

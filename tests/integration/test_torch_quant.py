@@ -38,11 +38,11 @@ def test_quantized_layers_multiply_like_their_float_weights(weights, kind):
     name = first_of(weights, "Q5_0" if kind == "requantized int4" else kind)
     w = weights.get(name)
     if kind == "Q4_K":
-        layer = Int4Linear(*q4k_groups(*weights.raw(name)))
+        layer = Int4Linear.from_groups(*q4k_groups(*weights.raw(name)))
     elif kind == "requantized int4":
-        layer = Int4Linear(*int4_groups(w))
+        layer = Int4Linear.from_groups(*int4_groups(w))
     else:
-        layer = Int8Linear(w)
+        layer = Int8Linear.from_float(w)
     x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(0))
     want = x @ w.t()
     got = layer(x).float()
@@ -50,3 +50,39 @@ def test_quantized_layers_multiply_like_their_float_weights(weights, kind):
     # bfloat16 activations and outputs (~0.3 %), int8 rows (0.9-1.5 %); int4 groups of what was
     # stored at 5 bits lose one bit per weight (~8 %), which is why Q5_0 goes to int8.
     assert rel < (0.09 if kind == "requantized int4" else 0.02), f"{kind}: relative error {rel:.4f}"
+
+
+def test_converted_weights_are_kept_and_read_back(gemma_path, tmp_path, caplog):
+    import logging
+
+    from localllm.config import CacheConfig, EngineConfig
+    from localllm.runners.torch.runner import TorchRunner
+
+    config = EngineConfig(model_path=gemma_path, cache=CacheConfig(n_ctx=256), n_threads=2, runner="torch",
+                          weights_cache_dir=tmp_path / "weights")
+
+    def first_logits() -> tuple[bool, "torch.Tensor"]:
+        from localllm.engine.request import SamplingParams, Sequence
+        from localllm.engine.scheduler import ScheduledSeq, SchedulerOutput
+
+        runner = TorchRunner(config)
+        try:
+            seq = Sequence(prompt_token_ids=[2, 651, 6037, 532, 9079], params=SamplingParams())
+            seq.block_table = [0]
+            runner.attach(seq, 0)
+            return runner.weights_from_cache, runner.execute(SchedulerOutput([ScheduledSeq(seq, 5)])).copy()
+        finally:
+            runner.close()
+
+    converted, logits = first_logits()
+    (cached_file,) = (tmp_path / "weights").iterdir()
+    cached, again = first_logits()
+    assert (converted, cached) == (False, True)
+    assert (logits == again).all()  # the same tensors, so bit for bit the same logits
+    cached_file.write_bytes(cached_file.read_bytes()[:1000])  # damaged: dropped, converted again
+    with caplog.at_level(logging.WARNING, logger="localllm"):
+        converted, third = first_logits()
+    assert not converted and (third == logits).all()
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        f"dropped the converted weights {cached_file.name}"]
+    assert cached_file.stat().st_size > 1000  # written again

@@ -57,6 +57,9 @@ class Linear:
         self.weight = weight
         self.bias = bias
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"w": self.weight, **({"b": self.bias} if self.bias is not None else {})}
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
@@ -74,12 +77,47 @@ def load_linear(weights: GGUFWeights, name: str, act_dtype: torch.dtype, device,
                       b.to(act_dtype) if b is not None else None)
     if kind == "Q4_K":
         data, rows, cols = weights.raw(f"{name}.weight")
-        return quant.Int4Linear(*quant.q4k_groups(data, rows, cols), bias=b)
+        return quant.Int4Linear.from_groups(*quant.q4k_groups(data, rows, cols), bias=b)
     w = weights.get(f"{name}.weight")
     if kind in quant.INT8_TYPES:
-        return quant.Int8Linear(w, bias=b)
-    return quant.Int4Linear(*quant.int4_groups(w), bias=b)  # Q4_0, Q4_1 and lower-bit types
+        return quant.Int8Linear.from_float(w, bias=b)
+    return quant.Int4Linear.from_groups(*quant.int4_groups(w), bias=b)  # Q4_0, Q4_1 and lower-bit types
 
 
-def vector(weights: GGUFWeights, name: str, dtype: torch.dtype, device) -> torch.Tensor:
-    return weights.get(name).to(device=device, dtype=dtype)
+class LayerSource:
+    """Where a model's tensors come from: converted from the GGUF now (each one recorded in
+    ``converted``, so the runner can cache them), or taken from ``cached``, the tensors of an
+    earlier conversion (names: ``NAME.w`` / ``.b`` float layers, ``.packed`` / ``.sz`` int4,
+    ``.w8`` / ``.s8`` int8; vectors by their GGUF name)."""
+
+    def __init__(self, weights: GGUFWeights, dtype: torch.dtype, device,
+                 cached: dict[str, torch.Tensor] | None = None):
+        self.weights, self.dtype, self.device, self.cached = weights, dtype, device, cached
+        self.converted: dict[str, torch.Tensor] = {}
+
+    def has(self, name: str) -> bool:
+        return self.weights.has(name)
+
+    def linear(self, name: str, bias: bool = False):
+        from localllm.runners.torch import quant
+
+        c = self.cached
+        if c is None:
+            layer = load_linear(self.weights, name, self.dtype, self.device, bias)
+            self.converted.update({f"{name}.{k}": t for k, t in layer.tensors().items()})
+            return layer
+        b = c.get(f"{name}.b")
+        if f"{name}.packed" in c:
+            return quant.Int4Linear(c[f"{name}.packed"], c[f"{name}.sz"], b)
+        if f"{name}.w8" in c:
+            return quant.Int8Linear(c[f"{name}.w8"], c[f"{name}.s8"], b)
+        return Linear(c[f"{name}.w"], b)
+
+    def vector(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A tensor kept as floats (norms, the embedding table)."""
+        if self.cached is not None:
+            return self.cached[name]
+        t = self.weights.get(name).to(device=self.device, dtype=dtype)
+        self.converted[name] = t
+        return t
+

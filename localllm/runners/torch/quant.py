@@ -56,13 +56,23 @@ def int4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 class Int4Linear:
     """y = x W^T (+ b) with W in torch's packed int4 (groups of 32 along the input)."""
 
-    def __init__(self, q, scale, minimum, bias: torch.Tensor | None = None):
-        q, scale, minimum = (torch.as_tensor(t) for t in (q, scale, minimum))
-        self.out_features, self.in_features = q.shape
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
-        zero = 8 * scale.float() - minimum.float()  # w = scale*q - min = (q - 8)*scale + zero
-        self.scales_and_zeros = torch.stack([scale.float().t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None = None):
+        self.packed = packed
+        self.scales_and_zeros = scales_and_zeros  # (in / 32, out, 2) bfloat16
+        self.in_features = scales_and_zeros.shape[0] * GROUP
         self.bias = bias.to(torch.bfloat16) if bias is not None else None
+
+    @classmethod
+    def from_groups(cls, q, scale, minimum, bias: torch.Tensor | None = None) -> Int4Linear:
+        """From weights w = scale * q - min per group of 32 (q in 0..15)."""
+        q, scale, minimum = (torch.as_tensor(t) for t in (q, scale, minimum))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+        zero = 8 * scale.float() - minimum.float()  # w = scale*q - min = (q - 8)*scale + zero
+        sz = torch.stack([scale.float().t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        return cls(packed, sz, bias)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"packed": self.packed, "sz": self.scales_and_zeros, **({"b": self.bias} if self.bias is not None else {})}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).reshape(-1, self.in_features),
@@ -73,12 +83,20 @@ class Int4Linear:
 class Int8Linear:
     """y = x W^T (+ b) with W int8 and one scale per output row."""
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight  # (out, in) int8
+        self.scales = scales  # (out,) bfloat16
+        self.bias = bias.to(torch.bfloat16) if bias is not None else None
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
         w = w.float()
         scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
-        self.weight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        self.scales = scale.to(torch.bfloat16)
-        self.bias = bias.to(torch.bfloat16) if bias is not None else None
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        return cls(q, scale.to(torch.bfloat16), bias)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"w8": self.weight, "s8": self.scales, **({"b": self.bias} if self.bias is not None else {})}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)

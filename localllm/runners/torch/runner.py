@@ -22,6 +22,8 @@ from localllm.engine.scheduler import SchedulerOutput
 from localllm.errors import EngineError, ModelLoadError
 from localllm.runners.torch import models
 from localllm.runners.torch.attention import AttnBatch, KVPool
+from localllm.runners.torch.layers import LayerSource
+from localllm.runners.torch.weight_cache import WeightCache
 from localllm.runners.torch.weights import GGUFWeights
 
 KV_DTYPES = {"f16": torch.float16, "f32": torch.float32}
@@ -65,7 +67,14 @@ class TorchRunner:
         # floats: float32 throughout (the exact path the parity tests compare).
         self.weights_scheme = "int4-int8-bf16" if weights.is_quantized else "f32"
         dtype = torch.bfloat16 if weights.is_quantized else torch.float32
-        self.model = models.build(self.config, weights, dtype, self.device)
+        cache = None
+        if config.weights_cache_dir is not None and weights.is_quantized and self.device.type == "cpu":
+            cache = WeightCache(config.weights_cache_dir, path, self.weights_scheme)
+        source = LayerSource(weights, dtype, self.device, cache.load() if cache else None)
+        self.model = models.build(self.config, source, dtype, self.device)
+        self.weights_from_cache = source.cached is not None
+        if cache is not None and not self.weights_from_cache:
+            cache.save(source.converted)
         self.block_size = config.cache.block_size
         self.n_ctx = config.cache.num_blocks * self.block_size
         c = self.config
@@ -143,6 +152,11 @@ class TorchRunner:
     def seq_pos_range(self, seq_id: int) -> tuple[int, int] | None:
         n = self._lengths.get(seq_id)
         return (0, n - 1) if n else None
+
+    @property
+    def num_active_slots(self) -> int:
+        """Sequences the runner holds KV positions for (released ones are forgotten)."""
+        return len(self._lengths)
 
     def close(self) -> None:
         self.pool = None

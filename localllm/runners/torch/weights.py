@@ -40,55 +40,60 @@ class ModelConfig:
 
 
 class GGUFWeights:
-    """The tensors of one GGUF file, by name, memory-mapped until asked for."""
+    """The tensors of one GGUF file, by name, memory-mapped until asked for. The header is
+    read (and checked) by localllm.gguf, which skips the vocabulary's strings: the `gguf`
+    package's reader decodes every one of them, seconds for a 150k-token vocabulary."""
 
     def __init__(self, path: Path):
-        import gguf
+        from localllm.gguf import tensor_table
 
         self.path = Path(path)
-        try:
-            self.reader = gguf.GGUFReader(self.path, "r")
-        except Exception as e:  # the reader raises ValueError / struct errors on bad files
-            raise ModelLoadError(f"cannot read {self.path} as GGUF ({e}); download it again") from None
-        self._tensors = {t.name: t for t in self.reader.tensors}
+        self._meta, self._data_start, tensors = tensor_table(self.path)
+        self._tensors = {t.name: t for t in tensors}
+        self._file = np.memmap(self.path, dtype=np.uint8, mode="r")
 
     def meta(self, key: str, default=None):
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
-        return field.contents()
+        return self._meta.get(key, default)
 
     def has(self, name: str) -> bool:
         return name in self._tensors
 
     def tensor_type(self, name: str) -> str:
-        return self._tensors[name].tensor_type.name
+        return self._tensors[name].type_name
+
+    def _entry(self, name: str):
+        t = self._tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"{self.path.name} has no tensor {name!r}; the file is incomplete or "
+                                 "not of the architecture it names")
+        return t
+
+    def raw(self, name: str) -> tuple[np.ndarray, int, int]:
+        """A matrix's stored bytes, one row of the file's blocks per output row, with (rows, cols)."""
+        t = self._entry(name)
+        start = self._data_start + t.offset
+        rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
+        return self._file[start:start + t.num_bytes].reshape(rows, -1), rows, int(t.shape[0])
 
     def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor ``name`` dequantized, shape (out, in) for matrices, (n,) for vectors."""
         import gguf
 
-        t = self._tensors.get(name)
-        if t is None:
-            raise ModelLoadError(f"{self.path.name} has no tensor {name!r}; the file is incomplete or "
-                                 "not of the architecture it names")
-        data = t.data
-        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            array = np.asarray(data, dtype=np.float32)
+        t = self._entry(name)
+        data, rows, cols = self.raw(name)
+        if t.type_name == "F32":
+            array = data.view(np.float32)
+        elif t.type_name == "F16":
+            array = data.view(np.float16).astype(np.float32)
         else:  # BF16 and the quantized types
-            array = gguf.quants.dequantize(np.asarray(data), t.tensor_type)
+            array = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[t.type_name])
         shape = tuple(int(n) for n in reversed(t.shape))  # (out, in)
         return torch.from_numpy(np.array(array.reshape(shape), dtype=np.float32)).to(dtype)
-
-    def raw(self, name: str) -> tuple[np.ndarray, int, int]:
-        """A matrix's stored bytes (or floats) as the file holds them, with (rows, cols)."""
-        t = self._tensors[name]
-        return t.data, int(t.shape[1]), int(t.shape[0])
 
     @property
     def is_quantized(self) -> bool:
         """True when some matrix is stored below 16 bits (then the runner computes in bfloat16)."""
-        return any(t.tensor_type.name not in ("F32", "F16", "BF16") for t in self._tensors.values())
+        return any(t.type_name not in ("F32", "F16", "BF16") for t in self._tensors.values())
 
     def config(self) -> ModelConfig:
         arch = self.meta("general.architecture")
@@ -109,7 +114,7 @@ class GGUFWeights:
         swa_layers: tuple[bool, ...] = ()
         if arch == "gemma3" and n_swa:
             swa_layers = tuple(i % 6 < 5 for i in range(n_layer))  # 5 local layers, then 1 global
-        vocab = self._tensors["token_embd.weight"].shape[1]
+        vocab = self._entry("token_embd.weight").shape[1]
         return ModelConfig(
             arch=arch, n_vocab=int(vocab), n_embd=n_embd, n_layer=n_layer, n_head=n_head,
             n_head_kv=n_head_kv, head_dim=head_dim, n_ff=int(need("feed_forward_length")),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from localllm.runners.torch.weights import ModelConfig, GGUFWeights
+from localllm.runners.torch.weights import ModelConfig
 
 # architecture -> "module:Class", imported when used
 REGISTRY = {
@@ -16,8 +16,9 @@ def supported(arch: str) -> bool:
     return arch in REGISTRY
 
 
-def build(config: ModelConfig, weights: GGUFWeights, dtype, device):
+def build(config: ModelConfig, source, dtype, device):
+    """The model of ``config.arch`` with its tensors from ``source`` (a layers.LayerSource)."""
     import importlib
 
     module, name = REGISTRY[config.arch].split(":")
-    return getattr(importlib.import_module(module), name)(config, weights, dtype, device)
+    return getattr(importlib.import_module(module), name)(config, source, dtype, device)

@@ -11,38 +11,37 @@ import math
 import torch
 
 from localllm.runners.torch.attention import AttnBatch, KVPool, paged_attention
-from localllm.runners.torch.layers import Rope, gelu_ggml, load_linear, rms_norm, vector
-from localllm.runners.torch.weights import GGUFWeights, ModelConfig
+from localllm.runners.torch.layers import LayerSource, Rope, gelu_ggml, rms_norm
+from localllm.runners.torch.weights import ModelConfig
 
 
 class Gemma3Model:
-    def __init__(self, config: ModelConfig, weights: GGUFWeights, dtype: torch.dtype, device):
+    def __init__(self, config: ModelConfig, weights: LayerSource, dtype: torch.dtype, device):
         self.config, self.dtype, self.device = config, dtype, device
-        self.embed = weights.get("token_embd.weight").to(device=device, dtype=dtype)
+        self.embed = weights.vector("token_embd.weight", dtype)
         self.layers = [self._load_layer(weights, i) for i in range(config.n_layer)]
-        self.norm = vector(weights, "output_norm.weight", torch.float32, device)
-        self.lm_head = load_linear(weights, "output" if weights.has("output.weight") else "token_embd",
-                                   dtype, device)
+        self.norm = weights.vector("output_norm.weight")
+        self.lm_head = weights.linear("output" if weights.has("output.weight") else "token_embd")
         self.rope_global = Rope(config.head_dim, config.rope_base, True, device)
         self.rope_local = Rope(config.head_dim, config.rope_base_swa, True, device)
         self.scale = config.attn_scale or 1.0 / math.sqrt(config.head_dim)
 
-    def _load_layer(self, w: GGUFWeights, i: int) -> dict:
-        p, dt, dev, f32 = f"blk.{i}", self.dtype, self.device, torch.float32
+    def _load_layer(self, w: LayerSource, i: int) -> dict:
+        p = f"blk.{i}"
         return {
-            "attn_norm": vector(w, f"{p}.attn_norm.weight", f32, dev),
-            "q": load_linear(w, f"{p}.attn_q", dt, dev),
-            "k": load_linear(w, f"{p}.attn_k", dt, dev),
-            "v": load_linear(w, f"{p}.attn_v", dt, dev),
-            "q_norm": vector(w, f"{p}.attn_q_norm.weight", f32, dev),
-            "k_norm": vector(w, f"{p}.attn_k_norm.weight", f32, dev),
-            "o": load_linear(w, f"{p}.attn_output", dt, dev),
-            "post_attn_norm": vector(w, f"{p}.post_attention_norm.weight", f32, dev),
-            "ffn_norm": vector(w, f"{p}.ffn_norm.weight", f32, dev),
-            "gate": load_linear(w, f"{p}.ffn_gate", dt, dev),
-            "up": load_linear(w, f"{p}.ffn_up", dt, dev),
-            "down": load_linear(w, f"{p}.ffn_down", dt, dev),
-            "post_ffn_norm": vector(w, f"{p}.post_ffw_norm.weight", f32, dev),
+            "attn_norm": w.vector(f"{p}.attn_norm.weight"),
+            "q": w.linear(f"{p}.attn_q"),
+            "k": w.linear(f"{p}.attn_k"),
+            "v": w.linear(f"{p}.attn_v"),
+            "q_norm": w.vector(f"{p}.attn_q_norm.weight"),
+            "k_norm": w.vector(f"{p}.attn_k_norm.weight"),
+            "o": w.linear(f"{p}.attn_output"),
+            "post_attn_norm": w.vector(f"{p}.post_attention_norm.weight"),
+            "ffn_norm": w.vector(f"{p}.ffn_norm.weight"),
+            "gate": w.linear(f"{p}.ffn_gate"),
+            "up": w.linear(f"{p}.ffn_up"),
+            "down": w.linear(f"{p}.ffn_down"),
+            "post_ffn_norm": w.vector(f"{p}.post_ffw_norm.weight"),
         }
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: AttnBatch,

@@ -9,38 +9,37 @@ import torch
 import torch.nn.functional as F
 
 from localllm.runners.torch.attention import AttnBatch, KVPool, paged_attention
-from localllm.runners.torch.layers import Rope, load_linear, rms_norm, vector
-from localllm.runners.torch.weights import GGUFWeights, ModelConfig
+from localllm.runners.torch.layers import LayerSource, Rope, rms_norm
+from localllm.runners.torch.weights import ModelConfig
 
 
 class LlamaModel:
     rope_neox = False
     qkv_bias = False
 
-    def __init__(self, config: ModelConfig, weights: GGUFWeights, dtype: torch.dtype, device):
+    def __init__(self, config: ModelConfig, weights: LayerSource, dtype: torch.dtype, device):
         """dtype: what the matmuls take (float32, or bfloat16 for quantized weights); the
         residual stream, norms, rope and attention stay float32."""
         self.config, self.dtype, self.device = config, dtype, device
-        self.embed = weights.get("token_embd.weight").to(device=device, dtype=dtype)  # (vocab, d)
+        self.embed = weights.vector("token_embd.weight", dtype)  # (vocab, d)
         self.layers = [self._load_layer(weights, i) for i in range(config.n_layer)]
-        self.norm = vector(weights, "output_norm.weight", torch.float32, device)
-        self.lm_head = load_linear(weights, "output" if weights.has("output.weight") else "token_embd",
-                                   dtype, device)
+        self.norm = weights.vector("output_norm.weight")
+        self.lm_head = weights.linear("output" if weights.has("output.weight") else "token_embd")
         self.rope = Rope(config.head_dim, config.rope_base, self.rope_neox, device)
         self.scale = config.attn_scale or 1.0 / math.sqrt(config.head_dim)
 
-    def _load_layer(self, w: GGUFWeights, i: int) -> dict:
-        p, dt, dev, f32 = f"blk.{i}", self.dtype, self.device, torch.float32
+    def _load_layer(self, w: LayerSource, i: int) -> dict:
+        p = f"blk.{i}"
         return {
-            "attn_norm": vector(w, f"{p}.attn_norm.weight", f32, dev),
-            "q": load_linear(w, f"{p}.attn_q", dt, dev, bias=self.qkv_bias),
-            "k": load_linear(w, f"{p}.attn_k", dt, dev, bias=self.qkv_bias),
-            "v": load_linear(w, f"{p}.attn_v", dt, dev, bias=self.qkv_bias),
-            "o": load_linear(w, f"{p}.attn_output", dt, dev),
-            "ffn_norm": vector(w, f"{p}.ffn_norm.weight", f32, dev),
-            "gate": load_linear(w, f"{p}.ffn_gate", dt, dev),
-            "up": load_linear(w, f"{p}.ffn_up", dt, dev),
-            "down": load_linear(w, f"{p}.ffn_down", dt, dev),
+            "attn_norm": w.vector(f"{p}.attn_norm.weight"),
+            "q": w.linear(f"{p}.attn_q", bias=self.qkv_bias),
+            "k": w.linear(f"{p}.attn_k", bias=self.qkv_bias),
+            "v": w.linear(f"{p}.attn_v", bias=self.qkv_bias),
+            "o": w.linear(f"{p}.attn_output"),
+            "ffn_norm": w.vector(f"{p}.ffn_norm.weight"),
+            "gate": w.linear(f"{p}.ffn_gate"),
+            "up": w.linear(f"{p}.ffn_up"),
+            "down": w.linear(f"{p}.ffn_down"),
         }
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: AttnBatch,
