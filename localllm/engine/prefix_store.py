@@ -431,7 +431,7 @@ class PrefixStore:
         found = self.find(token_ids, hashes, len(token_ids))
         return found.num_tokens if found is not None else 0
 
-    def wants(self, token_ids: list[int], hashes: list[bytes], payload_size_hint: int = 0) -> bool:
+    def wants(self, token_ids: list[int], hashes: list[bytes]) -> bool:
         """Whether a prompt is worth storing: long enough, and at least ``min_tokens`` of it
         not on disk already (so requests that share a long system prompt and differ in their
         last lines write it once)."""
