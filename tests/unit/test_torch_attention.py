@@ -72,3 +72,68 @@ def test_norm_rope_on_pairs_is_neox_rope_on_permuted_dims():
     neox = Rope(hd, 10000.0, neox=True, device="cpu")(x[..., perm], pos)
     torch.testing.assert_close(norm[..., perm], neox)
     torch.testing.assert_close(Rope(hd, 10000.0, True, "cpu")(x, torch.zeros(5, dtype=torch.long)), x)
+
+
+# -- the native kernel (native/attention.c) against the reference --------------------------
+
+native = pytest.importorskip("localllm.runners.torch.native")
+
+
+def test_the_native_kernels_are_built_where_a_compiler_is():
+    import shutil
+    import sysconfig
+
+    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        pytest.skip("no C compiler here: the package is built without its native kernels")
+    assert native.available(), (
+        f"localllm._native is missing although a compiler is here; rebuild with `pip install -e .` "
+        f"(Python headers in {sysconfig.get_paths()['include']}?)")
+
+
+def scattered_batch(g, dtype, n_kv, hd, lengths, new, block_size=16, num_blocks=None):
+    """A pool holding sequences of ``lengths`` positions in shuffled blocks, and the batch of
+    their last ``new`` positions."""
+    need = [-(-n // block_size) for n in lengths]
+    num_blocks = num_blocks or sum(need) + 3
+    ids = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for k in need:
+        tables.append(ids[:k])
+        ids = ids[k:]
+    pool = KVPool(1, num_blocks, block_size, n_kv, hd, dtype=dtype)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
+    return pool, [(t, n - m, m) for t, n, m in zip(tables, lengths, new)]
+
+
+@pytest.mark.skipif(not native.available(), reason="localllm._native was not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n_head,n_kv,hd", [(14, 2, 64), (4, 1, 256), (8, 8, 32), (4, 2, 8)])
+@pytest.mark.parametrize("n_swa", [0, 37])
+def test_native_attention_equals_the_reference(dtype, n_head, n_kv, hd, n_swa):
+    g = torch.Generator().manual_seed(n_head * 1000 + hd + n_swa)
+    # Decoding sequences of short and long contexts, a prefill chunk that starts mid-block,
+    # a whole prompt at once, drafts being checked (a few rows at the end).
+    lengths, new = [1, 17, 300, 1000, 45, 130], [1, 1, 1, 1, 29, 5]
+    pool, seqs = scattered_batch(g, dtype, n_kv, hd, lengths, new)
+    q = torch.randn(sum(new), n_head, hd, generator=g)
+    scale = 1 / math.sqrt(hd)
+    want = paged_attention(q, pool, 0, AttnBatch.build(seqs, 16, "cpu"), scale, n_swa)
+    for threads in (1, 2, 5):
+        batch = AttnBatch.build(seqs, 16, "cpu", native=True)
+        got = native.paged_attention(q, pool.k[0], pool.v[0], batch.native_meta, scale, n_swa, threads)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not native.available(), reason="localllm._native was not built here")
+def test_batch_attend_uses_the_native_kernel_when_asked():
+    g = torch.Generator().manual_seed(3)
+    pool, seqs = scattered_batch(g, torch.float16, 2, 64, [70, 5], [1, 5])
+    q = torch.randn(6, 14, 64, generator=g)
+    ref = AttnBatch.build(seqs, 16, "cpu")
+    fast = AttnBatch.build(seqs, 16, "cpu", native=True)
+    assert ref.native_meta is None
+    q_start, q_len, ctx_len, tables, table_start = (t.tolist() for t in fast.native_meta)
+    assert (q_start, q_len, ctx_len, table_start) == ([0, 1], [1, 5], [70, 5], [0, 5])
+    assert tables == seqs[0][0] + seqs[1][0]
+    torch.testing.assert_close(fast.attend(q, pool, 0, 0.125), ref.attend(q, pool, 0, 0.125), atol=2e-5, rtol=1e-4)

@@ -10,6 +10,10 @@ rolling back drafts or reusing a prefix of a sliding-window model is exact.
 A step's batch is flattened: the new tokens of every scheduled sequence one after another
 (no padding). ``AttnBatch`` says where each sequence's queries start, how many there are,
 how long its context is, and the slots of its whole context.
+
+``AttnBatch.attend`` runs the native kernel (native/attention.c: reads the blocks in place,
+one call per layer for the whole batch) where it was built and the pool is on the CPU, and
+the pure-torch reference ``paged_attention`` otherwise; the tests hold the two together.
 """
 
 from __future__ import annotations
@@ -53,20 +57,43 @@ class SeqSpan:
 class AttnBatch:
     slots: torch.Tensor  # (N,) where each new token's K/V is written
     spans: list[SeqSpan]
+    # For the native kernel (None: the reference runs): int32 CPU tensors q_start, q_len,
+    # ctx_len (per sequence), tables (every sequence's block ids, one after another) and
+    # table_start (where each sequence's ids begin in tables).
+    native_meta: tuple[torch.Tensor, ...] | None = None
 
     @classmethod
-    def build(cls, seqs: list[tuple[list[int], int, int]], block_size: int, device) -> AttnBatch:
-        """seqs: (block_table, first new position, number of new tokens) per sequence."""
+    def build(cls, seqs: list[tuple[list[int], int, int]], block_size: int, device,
+              native: bool = False) -> AttnBatch:
+        """seqs: (block_table, first new position, number of new tokens) per sequence;
+        native: attend with the native kernel (only for a pool on the CPU)."""
         spans, new_slots, row = [], [], 0
+        tables, meta = [], []
         for table, start, num in seqs:
             ctx_len = start + num
-            blocks = torch.tensor(table[:-(-ctx_len // block_size)], dtype=torch.long)
+            used = table[:-(-ctx_len // block_size)]
+            blocks = torch.tensor(used, dtype=torch.long)
             slots = (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:ctx_len]
             slots = slots.to(device)
             spans.append(SeqSpan(row, num, ctx_len, slots))
             new_slots.append(slots[start:])
+            meta.append((row, num, ctx_len, len(tables)))
+            tables += used
             row += num
-        return cls(torch.cat(new_slots) if new_slots else torch.empty(0, dtype=torch.long, device=device), spans)
+        native_meta = None
+        if native:
+            m = torch.tensor(meta, dtype=torch.int32).reshape(-1, 4).t().contiguous()
+            native_meta = (m[0], m[1], m[2], torch.tensor(tables, dtype=torch.int32), m[3])
+        slots = torch.cat(new_slots) if new_slots else torch.empty(0, dtype=torch.long, device=device)
+        return cls(slots, spans, native_meta)
+
+    def attend(self, q: torch.Tensor, pool: KVPool, layer: int, scale: float, n_swa: int = 0) -> torch.Tensor:
+        """Attention of the batch's queries q (N, n_head, hd) over the pool's layer."""
+        if self.native_meta is not None and q.dtype == torch.float32:
+            from localllm.runners.torch import native
+
+            return native.paged_attention(q, pool.k[layer], pool.v[layer], self.native_meta, scale, n_swa)
+        return paged_attention(q, pool, layer, self, scale, n_swa)
 
 
 def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, n_swa: int) -> torch.Tensor:

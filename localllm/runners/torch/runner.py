@@ -49,8 +49,11 @@ def architecture(path: Path) -> str | None:
 class TorchRunner:
     name = "torch"
 
-    def __init__(self, config: EngineConfig, device: torch.device | None = None):
+    def __init__(self, config: EngineConfig, device: torch.device | None = None, native: bool | None = None):
+        """native: attend with the native kernel (native/attention.c); by default wherever it
+        was built and the pool is on the CPU (False: the pure-torch reference, for comparing)."""
         from localllm.runners.llamacpp import VocabFile
+        from localllm.runners.torch import native as native_kernels
 
         path = Path(config.model_path)
         self.device = device or pick_device()
@@ -84,6 +87,8 @@ class TorchRunner:
         # Nothing slides out of the pool, so rollbacks and prefixes are exact on every model:
         # to the engine this runner has no window.
         self.n_swa = 0
+        on_cpu = self.device.type == "cpu"
+        self.native = (native_kernels.available() and on_cpu) if native is None else (native and on_cpu)
         st = path.stat()
         self.fingerprint = (f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|torch {torch.__version__}|"
                             f"{self.weights_scheme}|kv {config.cache.kv_dtype}").encode()
@@ -122,7 +127,7 @@ class TorchRunner:
     @torch.inference_mode()
     def _forward(self, tokens, positions, spans, rows) -> np.ndarray:
         dev = self.device
-        batch = AttnBatch.build(spans, self.block_size, dev)
+        batch = AttnBatch.build(spans, self.block_size, dev, native=self.native)
         hidden = self.model.forward(torch.tensor(tokens, dtype=torch.long, device=dev),
                                     torch.tensor(positions, dtype=torch.long, device=dev), batch, self.pool)
         if not rows:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from localllm.runners.torch.attention import AttnBatch, KVPool, paged_attention
+from localllm.runners.torch.attention import AttnBatch, KVPool
 from localllm.runners.torch.layers import LayerSource, Rope, gelu_ggml, rms_norm
 from localllm.runners.torch.weights import ModelConfig
 
@@ -57,7 +57,7 @@ class Gemma3Model:
             v = layer["v"](h).float().view(-1, c.n_head_kv, c.head_dim)
             q, k = rope(q, positions), rope(k, positions)
             pool.write(i, batch.slots, k, v)
-            a = paged_attention(q, pool, i, batch, self.scale, c.n_swa if local else 0)
+            a = batch.attend(q, pool, i, self.scale, c.n_swa if local else 0)
             o = layer["o"](a.reshape(-1, c.n_head * c.head_dim).to(dt)).float()
             x = x + rms_norm(o, layer["post_attn_norm"], c.rms_eps)
             h = rms_norm(x, layer["ffn_norm"], c.rms_eps).to(dt)

@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from localllm.runners.torch.attention import AttnBatch, KVPool, paged_attention
+from localllm.runners.torch.attention import AttnBatch, KVPool
 from localllm.runners.torch.layers import LayerSource, Rope, rms_norm
 from localllm.runners.torch.weights import ModelConfig
 
@@ -54,7 +54,7 @@ class LlamaModel:
             v = layer["v"](h).float().view(-1, c.n_head_kv, c.head_dim)
             q, k = self.rope(q, positions), self.rope(k, positions)
             pool.write(i, batch.slots, k, v)
-            a = paged_attention(q, pool, i, batch, self.scale)
+            a = batch.attend(q, pool, i, self.scale)
             x = x + layer["o"](a.reshape(-1, c.n_head * c.head_dim).to(dt)).float()
             h = rms_norm(x, layer["ffn_norm"], c.rms_eps).to(dt)
             x = x + layer["down"]((F.silu(layer["gate"](h).float()) * layer["up"](h).float()).to(dt)).float()

@@ -1,0 +1,275 @@
+/* Paged attention over the torch runner's KV pool, reading the blocks in place.
+ *
+ * The pool of one layer is K and V of shape [num_blocks, block_size, n_kv, head_dim] (float32
+ * or float16); a sequence's position p lives in block tables[table_start[s] + p / block_size],
+ * row p % block_size. A step's queries are flattened: sequence s has q_len[s] rows starting at
+ * row q_start[s] of q [N, n_head, head_dim] (float32), the last q_len[s] of its ctx_len[s]
+ * positions. A query at position p sees the keys at positions <= p, and with a window
+ * (n_swa > 0) only those less than n_swa back: the mask of localllm.runners.torch.attention.
+ *
+ * One work item is one sequence's tile of query rows, one KV head and a run of that head's
+ * query heads; it walks the context a block at a time with an online softmax (running
+ * maximum and sum), so each K and V row is converted once per item and nothing the size of
+ * the context is copied. Items are shared out to threads (pthreads, the caller being one of
+ * them) when the step's work is large enough to pay for starting them.
+ */
+
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "localllm_native.h"
+
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define LM_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define LM_CLONES
+#endif
+
+#define TILE_ROWS 4
+#define MIN_WORK_PER_THREAD 16384 /* query-head x key dot products before a second thread pays */
+
+static inline float half_to_float(uint16_t h) {
+#ifdef __FLT16_MAX__
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* n float16 values to float32: eight at a time with the F16C instruction where the CPU has it
+ * (compilers do not vectorize the scalar conversion without AVX512-FP16). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define LM_HAVE_F16C 1
+__attribute__((target("avx,f16c"))) static void halves_f16c(const uint16_t *src, float *dst, int n) {
+    int t = 0;
+    for (; t + 8 <= n; t += 8) _mm256_storeu_ps(dst + t, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + t))));
+    for (; t < n; t++) dst[t] = half_to_float(src[t]);
+}
+#endif
+
+static int cpu_has_f16c = -1;
+
+static void halves_to_floats(const uint16_t *src, float *dst, int n) {
+#ifdef LM_HAVE_F16C
+    if (cpu_has_f16c) {
+        halves_f16c(src, dst, n);
+        return;
+    }
+#endif
+    for (int t = 0; t < n; t++) dst[t] = half_to_float(src[t]);
+}
+
+/* exp(x) for x <= 0 (Cephes' single-precision polynomial, within 2 ulp); x below -87 gives
+ * about 1e-38, not 0: callers zero masked entries themselves. Plain arithmetic, so loops over
+ * it vectorize. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, 4);
+    return y * scale;
+}
+
+typedef struct {
+    const float *q;
+    float *out;
+    const void *k, *v;
+    int kv_f16;
+    const int32_t *q_start, *q_len, *ctx_len, *tables, *table_start;
+    int block_size, n_head, n_kv, head_dim, n_swa;
+    float scale;
+    int head_chunks; /* query heads of one KV head are split into this many items */
+    int32_t *items;  /* (seq, kv head, head chunk, first row, end row) per item */
+    int n_items;
+    int next; /* the next unclaimed item (atomic) */
+} job_t;
+
+static void load_rows(const void *cache, int f16, size_t first, size_t stride, int n, int d, float *restrict dst) {
+    for (int j = 0; j < n; j++) {
+        if (f16)
+            halves_to_floats((const uint16_t *)cache + first + j * stride, dst + (size_t)j * d, d);
+        else
+            memcpy(dst + (size_t)j * d, (const float *)cache + first + j * stride, sizeof(float) * d);
+    }
+}
+
+LM_CLONES
+static void run_item(const job_t *J, const int32_t *item, float *scratch) {
+    const int s = item[0], kvh = item[1], chunk = item[2], r0 = item[3], r1 = item[4];
+    const int D = J->head_dim, bs = J->block_size, group = J->n_head / J->n_kv;
+    const int per = (group + J->head_chunks - 1) / J->head_chunks;
+    const int h0 = chunk * per, h1 = h0 + per < group ? h0 + per : group;
+    const int nh = h1 - h0, nq = (r1 - r0) * nh;
+    if (nh <= 0) return;
+    const int ql = J->q_len[s], first_pos = J->ctx_len[s] - ql;
+    const int32_t *table = J->tables + J->table_start[s];
+    const size_t stride = (size_t)J->n_kv * D;
+
+    float *qv = scratch, *acc = qv + (size_t)nq * D, *m = acc + (size_t)nq * D, *l = m + nq;
+    float *kb = l + nq, *vb = kb + (size_t)bs * D, *sc = vb + (size_t)bs * D;
+    int *pos = (int *)(sc + (size_t)bs);
+
+    for (int i = 0; i < r1 - r0; i++)
+        for (int h = 0; h < nh; h++) {
+            const float *src = J->q + ((size_t)(J->q_start[s] + r0 + i) * J->n_head + kvh * group + h0 + h) * D;
+            float *dst = qv + (size_t)(i * nh + h) * D;
+            for (int t = 0; t < D; t++) dst[t] = src[t] * J->scale;
+        }
+    for (int x = 0; x < nq; x++) { m[x] = -INFINITY; l[x] = 0.0f; pos[x] = first_pos + r0 + x / nh; }
+    memset(acc, 0, sizeof(float) * (size_t)nq * D);
+
+    const int hi = first_pos + r1 - 1;
+    int lo = 0;
+    if (J->n_swa > 0) { lo = first_pos + r0 - J->n_swa + 1; if (lo < 0) lo = 0; }
+    for (int b0 = (lo / bs) * bs; b0 <= hi; b0 += bs) {
+        const int blk = table[b0 / bs];
+        const int j0 = b0 > lo ? b0 : lo, j1 = b0 + bs - 1 < hi ? b0 + bs - 1 : hi, n = j1 - j0 + 1;
+        const size_t first = ((size_t)blk * bs + (j0 - b0)) * stride + (size_t)kvh * D;
+        load_rows(J->k, J->kv_f16, first, stride, n, D, kb);
+        load_rows(J->v, J->kv_f16, first, stride, n, D, vb);
+        for (int x = 0; x < nq; x++) {
+            const float *qx = qv + (size_t)x * D;
+            const int p = pos[x], see_lo = J->n_swa > 0 ? p - J->n_swa + 1 : 0;
+            float cm = -INFINITY;
+            for (int j = 0; j < n; j++) {
+                const float *kj = kb + (size_t)j * D;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int t = 0; t < D; t++) dot += qx[t] * kj[t];
+                const int key = j0 + j;
+                sc[j] = (key <= p && key >= see_lo) ? dot : -INFINITY;
+                cm = sc[j] > cm ? sc[j] : cm;
+            }
+            if (cm == -INFINITY) continue;
+            const float mx = m[x] > cm ? m[x] : cm;
+            float *ax = acc + (size_t)x * D;
+            if (mx > m[x] && m[x] != -INFINITY) {
+                const float corr = exp_nonpositive(m[x] - mx);
+                l[x] *= corr;
+                for (int t = 0; t < D; t++) ax[t] *= corr;
+            }
+            m[x] = mx;
+            float sum = 0.0f;
+            for (int j = 0; j < n; j++) {
+                const float e = exp_nonpositive(sc[j] - mx);
+                sc[j] = sc[j] == -INFINITY ? 0.0f : e;
+                sum += sc[j];
+            }
+            l[x] += sum;
+            for (int j = 0; j < n; j++) {
+                const float pj = sc[j];
+                const float *vj = vb + (size_t)j * D;
+                for (int t = 0; t < D; t++) ax[t] += pj * vj[t];
+            }
+        }
+    }
+    for (int i = 0; i < r1 - r0; i++)
+        for (int h = 0; h < nh; h++) {
+            const int x = i * nh + h;
+            float *dst = J->out + ((size_t)(J->q_start[s] + r0 + i) * J->n_head + kvh * group + h0 + h) * D;
+            const float inv = 1.0f / l[x];
+            for (int t = 0; t < D; t++) dst[t] = acc[(size_t)x * D + t] * inv;
+        }
+}
+
+static size_t scratch_floats(const job_t *J) {
+    const int group = J->n_head / J->n_kv, per = (group + J->head_chunks - 1) / J->head_chunks;
+    const size_t nq = (size_t)TILE_ROWS * per;
+    return 2 * nq * J->head_dim + 3 * nq + 2 * (size_t)J->block_size * J->head_dim + J->block_size + 16;
+}
+
+static void *worker(void *arg) {
+    job_t *J = (job_t *)arg;
+    float *scratch = malloc(sizeof(float) * scratch_floats(J));
+    if (scratch == NULL) return (void *)1;
+    for (;;) {
+        const int i = __atomic_fetch_add(&J->next, 1, __ATOMIC_RELAXED);
+        if (i >= J->n_items) break;
+        run_item(J, J->items + 5 * (size_t)i, scratch);
+    }
+    free(scratch);
+    return NULL;
+}
+
+int lm_paged_attention(const float *q, float *out, const void *k, const void *v, int kv_f16, int num_seqs,
+                       const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,
+                       const int32_t *tables, const int32_t *table_start, int block_size, int n_head,
+                       int n_kv, int head_dim, float scale, int n_swa, int n_threads) {
+    if (n_kv <= 0 || n_head % n_kv != 0 || block_size <= 0 || head_dim <= 0) return LM_EINVAL;
+#ifdef LM_HAVE_F16C
+    if (cpu_has_f16c < 0) {
+        __builtin_cpu_init();
+        cpu_has_f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+    }
+#endif
+    job_t J = {q, out, k, v, kv_f16, q_start, q_len, ctx_len, tables, table_start,
+               block_size, n_head, n_kv, head_dim, n_swa, scale, 1, NULL, 0, 0};
+    const int group = n_head / n_kv;
+    long tiles = 0;
+    double work = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        if (q_len[s] > ctx_len[s] || q_len[s] < 0) return LM_EINVAL;
+        tiles += (q_len[s] + TILE_ROWS - 1) / TILE_ROWS;
+        work += (double)q_len[s] * ctx_len[s] * n_head;
+    }
+    int threads = n_threads < 1 ? 1 : n_threads;
+    if (work < (double)MIN_WORK_PER_THREAD * 2) threads = 1;
+    else if (work < (double)MIN_WORK_PER_THREAD * threads) threads = (int)(work / MIN_WORK_PER_THREAD);
+    /* Few items (a single decoding sequence of a model with one or two KV heads): split the
+     * query heads of each KV head so every thread has work. */
+    while (J.head_chunks < group && tiles * n_kv * J.head_chunks < 2L * threads) J.head_chunks *= 2;
+    if (J.head_chunks > group) J.head_chunks = group;
+    J.items = malloc(sizeof(int32_t) * 5 * (size_t)(tiles * n_kv * J.head_chunks));
+    if (J.items == NULL) return LM_ENOMEM;
+    for (int s = 0; s < num_seqs; s++)
+        for (int r0 = 0; r0 < q_len[s]; r0 += TILE_ROWS)
+            for (int h = 0; h < n_kv; h++)
+                for (int c = 0; c < J.head_chunks; c++) {
+                    int32_t *it = J.items + 5 * (size_t)J.n_items++;
+                    it[0] = s; it[1] = h; it[2] = c; it[3] = r0;
+                    it[4] = r0 + TILE_ROWS < q_len[s] ? r0 + TILE_ROWS : q_len[s];
+                }
+    pthread_t tid[LM_MAX_THREADS];
+    int started = 0, rc = LM_OK;
+    if (threads > LM_MAX_THREADS) threads = LM_MAX_THREADS;
+    for (int t = 1; t < threads; t++)
+        if (pthread_create(&tid[started], NULL, worker, &J) == 0) started++;
+    if (worker(&J) != NULL) rc = LM_ENOMEM;
+    for (int t = 0; t < started; t++) {
+        void *res = NULL;
+        pthread_join(tid[t], &res);
+        if (res != NULL) rc = LM_ENOMEM;
+    }
+    free(J.items);
+    return rc;
+}
