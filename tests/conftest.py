@@ -46,3 +46,20 @@ def _own_cache_folder(tmp_path_factory):
             os.environ.pop("XDG_CACHE_HOME", None)
         else:
             os.environ["XDG_CACHE_HOME"] = old
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` run only where torch sees a CUDA device."""
+    marked = [item for item in items if item.get_closest_marker("cuda")]
+    if not marked:
+        return
+    try:
+        import torch
+
+        have = torch.cuda.is_available()
+    except ImportError:
+        have = False
+    if not have:
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in marked:
+            item.add_marker(skip)

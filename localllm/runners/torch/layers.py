@@ -66,22 +66,28 @@ class Linear:
 
 def load_linear(weights: GGUFWeights, name: str, act_dtype: torch.dtype, device, bias: bool = False):
     """The layer ``name`` (its ``.weight``, and ``.bias`` when asked) in the scheme its storage
-    calls for (see quant.py); float weights in ``act_dtype`` when computing in float32 or off
-    the CPU (torch's int4 / int8 kernels used here are the CPU ones)."""
+    calls for (see quant.py): on the CPU int4 or int8; on CUDA int4 where the storage is 4-bit
+    and the shape fits torch's CUDA kernel; float weights in ``act_dtype`` otherwise (when
+    computing in float32, on Apple's MPS)."""
     from localllm.runners.torch import quant
 
     kind = weights.tensor_type(f"{name}.weight")
+    dev = torch.device(device)
     b = weights.get(f"{name}.bias").to(device) if bias else None
-    if act_dtype == torch.float32 or kind in quant.FLOAT_TYPES or torch.device(device).type != "cpu":
+    dense = act_dtype == torch.float32 or kind in quant.FLOAT_TYPES or dev.type not in ("cpu", "cuda")
+    if dev.type == "cuda" and not dense:
+        rows, cols = weights.shape(f"{name}.weight")
+        dense = kind in quant.INT8_TYPES or quant.cuda_inner_k_tiles(rows, cols) is None
+    if dense:
         return Linear(weights.get(f"{name}.weight").to(device=device, dtype=act_dtype),
                       b.to(act_dtype) if b is not None else None)
     if kind == "Q4_K":
         data, rows, cols = weights.raw(f"{name}.weight")
-        return quant.Int4Linear.from_groups(*quant.q4k_groups(data, rows, cols), bias=b)
+        return quant.Int4Linear.from_groups(*quant.q4k_groups(data, rows, cols), bias=b, device=dev)
     w = weights.get(f"{name}.weight")
     if kind in quant.INT8_TYPES:
         return quant.Int8Linear.from_float(w, bias=b)
-    return quant.Int4Linear.from_groups(*quant.int4_groups(w), bias=b)  # Q4_0, Q4_1 and lower-bit types
+    return quant.Int4Linear.from_groups(*quant.int4_groups(w), bias=b, device=dev)  # Q4_0, Q4_1, lower
 
 
 class LayerSource:

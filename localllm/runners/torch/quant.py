@@ -14,6 +14,10 @@ Which scheme a tensor gets follows how it is stored:
 
 The int4 and int8 kernels take bfloat16 activations (with float32 ones they are many times
 slower) and return bfloat16.
+
+On CUDA the int4 layers use torch's CUDA int4 kernel (``_weight_int4pack_mm``: the same
+groups, packed for tensor cores from two 4-bit values a byte), and the tensors the CPU keeps
+as int8 rows stay bfloat16 (torch has no CUDA int8 weight-only matmul; the GPU has room).
 """
 
 from __future__ import annotations
@@ -53,30 +57,63 @@ def int4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q.reshape(rows, cols), scale, -lo
 
 
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """(rows, cols) values 0..15 -> (rows, cols / 2) uint8, column 2i in the high nibble and
+    2i+1 in the low one: the input of torch's CUDA ``_convert_weight_to_int4pack``."""
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] << 4) | q[:, 1::2]
+
+
+def cuda_inner_k_tiles(rows: int, cols: int) -> int | None:
+    """The tiling torch's CUDA int4 kernel takes for a (rows, cols) weight, or None when its
+    shape does not fit the kernel (it needs cols a multiple of 16 x tiles and rows of 8)."""
+    if rows % 8:
+        return None
+    return next((t for t in (8, 4, 2) if cols % (16 * t) == 0), None)
+
+
 class Int4Linear:
-    """y = x W^T (+ b) with W in torch's packed int4 (groups of 32 along the input)."""
+    """y = x W^T (+ b) with W in torch's packed int4 (groups of 32 along the input), for the
+    CPU's kernel or, on a CUDA device, torch's CUDA one (see ``from_groups``)."""
 
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None = None):
         self.packed = packed
         self.scales_and_zeros = scales_and_zeros  # (in / 32, out, 2) bfloat16
         self.in_features = scales_and_zeros.shape[0] * GROUP
-        self.bias = bias.to(torch.bfloat16) if bias is not None else None
+        self.bias = bias.to(device=packed.device, dtype=torch.bfloat16) if bias is not None else None
+        self.on_cpu = packed.device.type == "cpu"
+
+    @staticmethod
+    def scales_and_zeros(scale, minimum) -> torch.Tensor:
+        """Groups w = scale * q - min as torch's (in / 32, out, 2) bfloat16 (scale, zero)
+        with w = (q - 8) * scale + zero."""
+        zero = 8 * scale.float() - minimum.float()
+        return torch.stack([scale.float().t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
 
     @classmethod
-    def from_groups(cls, q, scale, minimum, bias: torch.Tensor | None = None) -> Int4Linear:
-        """From weights w = scale * q - min per group of 32 (q in 0..15)."""
+    def from_groups(cls, q, scale, minimum, bias: torch.Tensor | None = None, device="cpu") -> Int4Linear:
+        """From weights w = scale * q - min per group of 32 (q in 0..15), for the CPU or a
+        CUDA device (whose kernel needs a shape ``cuda_inner_k_tiles`` accepts)."""
         q, scale, minimum = (torch.as_tensor(t) for t in (q, scale, minimum))
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
-        zero = 8 * scale.float() - minimum.float()  # w = scale*q - min = (q - 8)*scale + zero
-        sz = torch.stack([scale.float().t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        sz = cls.scales_and_zeros(scale, minimum)
+        device = torch.device(device)
+        if device.type == "cpu":
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+        else:
+            tiles = cuda_inner_k_tiles(*q.shape)
+            packed = torch.ops.aten._convert_weight_to_int4pack(pack_nibbles(q).to(device), tiles)
+            sz = sz.to(device)
         return cls(packed, sz, bias)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"packed": self.packed, "sz": self.scales_and_zeros, **({"b": self.bias} if self.bias is not None else {})}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).reshape(-1, self.in_features),
-                                                       self.packed, GROUP, self.scales_and_zeros)
+        x = x.to(torch.bfloat16).reshape(-1, self.in_features)
+        if self.on_cpu:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm(x, self.packed, GROUP, self.scales_and_zeros)
         return y if self.bias is None else y + self.bias
 
 

@@ -68,6 +68,10 @@ class GGUFWeights:
                                  "not of the architecture it names")
         return t
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """(out, in) for a matrix, (n,) for a vector: torch's order, not GGUF's."""
+        return tuple(int(n) for n in reversed(self._entry(name).shape))
+
     def raw(self, name: str) -> tuple[np.ndarray, int, int]:
         """A matrix's stored bytes, one row of the file's blocks per output row, with (rows, cols)."""
         t = self._entry(name)
