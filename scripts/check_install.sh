@@ -42,6 +42,10 @@ need = ["localllm/cli.py", "localllm/gguf.py", "localllm/runners/llamacpp.py", "
 missing = [n for n in need if n not in names]
 if missing:
     sys.exit(f"the wheel lacks {', '.join(missing)}")
+# With a C compiler here the build must have made the torch runner's native kernels.
+import shutil
+if (shutil.which("cc") or shutil.which("gcc")) and not any(n.startswith("localllm/_native") for n in names):
+    sys.exit("the wheel lacks localllm/_native although a C compiler is here (see the build log)")
 EOF
 
 echo "== install $(basename "$wheel")"

@@ -9,6 +9,7 @@ always exits 0: it is the command to run when something else is broken.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import platform
 import shutil
@@ -69,6 +70,8 @@ def collect() -> dict:
             "rosetta": device.is_rosetta(),
             "torch": _probe(device.torch_devices),
         },
+        # The torch runner's C kernels (native/), built by the package build with a compiler.
+        "native_kernels": importlib.util.find_spec("localllm._native") is not None,
         "llama_cpp": _probe(_llama_report),
         "defaults": {"n_ctx": DEFAULT_CTX, "max_num_seqs": DEFAULT_SEQS, "kv_bytes_per_value": KV_BYTES_PER_VALUE},
     }
@@ -227,6 +230,7 @@ def render(report: dict) -> str:
             lines.append(f"  cuda:{i}: {gpu['name']}, {_gib(gpu['memory_free'])} free of {_gib(gpu['memory_total'])}")
         if "error" in torch:
             lines.append(f"  torch error: {torch['error']}")
+    lines.append(f"  torch runner's native kernels: {'built' if report.get('native_kernels') else 'not built (no C compiler at install: the pure-torch ones are used)'}")
 
     llama = report["llama_cpp"]
     lines.append("llama.cpp")

@@ -72,6 +72,10 @@ def test_text_report_without_models(tmp_path):
     ram = next(line for line in lines if line.startswith("  ram: "))
     assert re.fullmatch(rf"  ram: {total / GIB:.1f} GiB total, \d+\.\d GiB available", ram), ram
     assert "  torch: not installed" in lines or any(line.startswith("  torch: ") for line in lines)
+    import importlib.util
+
+    built = importlib.util.find_spec("localllm._native") is not None
+    assert ("  torch runner's native kernels: built" in lines) == built
     assert "  llama-cpp-python: 0.3.36" in lines
     if not HAS_GPU:
         assert "  nvidia driver: no" in lines
