@@ -1,6 +1,6 @@
 """How closely the torch runner's next-token distributions follow llama.cpp's on a real file.
 
-    python benchmarks/torch_fidelity.py [--model qwen2.5-coder-0.5b] [--tokens 2048] [--threads 2]
+    python benchmarks/torch_fidelity.py [--model qwen2.5-coder-0.5b] [--tokens 2048] [--threads 2] [--scheme S]
 
 A fixed text (the first --tokens tokens of this repository's README.md) is run through both
 runners in chunks of 256 positions, asking each for the logits of every position (through the
@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--against", choices=("torch", "llamacpp-f16"), default="torch",
                         help="llamacpp-f16: llama.cpp itself with its default float16 KV cache and flash "
                              "attention, to see how far llama.cpp's own settings move it")
+    parser.add_argument("--scheme", default=None, help="the torch runner's weight scheme (quant.SCHEMES)")
     args = parser.parse_args()
     path = model_path(args.model)
     config = EngineConfig(model_path=path, cache=CacheConfig(n_ctx=args.tokens + 256, kv_dtype="f32"),
@@ -70,7 +71,7 @@ def main() -> None:
     t_ref = time.perf_counter() - t
     t = time.perf_counter()
     if args.against == "torch":
-        torch_runner = TorchRunner(config)
+        torch_runner = TorchRunner(config, scheme=args.scheme)
     else:
         import dataclasses
 

@@ -10,12 +10,11 @@
  * One work item is one sequence's tile of query rows, one KV head and a run of that head's
  * query heads; it walks the context a block at a time with an online softmax (running
  * maximum and sum), so each K and V row is converted once per item and nothing the size of
- * the context is copied. Items are shared out to threads (pthreads, the caller being one of
- * them) when the step's work is large enough to pay for starting them.
+ * the context is copied. Items are shared out to the thread pool (pool.c) when the step's
+ * work is large enough to pay for waking it.
  */
 
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -111,7 +110,8 @@ typedef struct {
     int head_chunks; /* query heads of one KV head are split into this many items */
     int32_t *items;  /* (seq, kv head, head chunk, first row, end row) per item */
     int n_items;
-    int next; /* the next unclaimed item (atomic) */
+    int next;   /* the next unclaimed item (atomic) */
+    int failed; /* a part could not get its scratch memory (atomic) */
 } job_t;
 
 static void load_rows(const void *cache, int f16, size_t first, size_t stride, int n, int d, float *restrict dst) {
@@ -208,17 +208,21 @@ static size_t scratch_floats(const job_t *J) {
     return 2 * nq * J->head_dim + 3 * nq + 2 * (size_t)J->block_size * J->head_dim + J->block_size + 16;
 }
 
-static void *worker(void *arg) {
+static void attend_part(void *arg, int part, int parts) {
     job_t *J = (job_t *)arg;
+    (void)part;
+    (void)parts;
     float *scratch = malloc(sizeof(float) * scratch_floats(J));
-    if (scratch == NULL) return (void *)1;
+    if (scratch == NULL) {
+        __atomic_store_n(&J->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
     for (;;) {
         const int i = __atomic_fetch_add(&J->next, 1, __ATOMIC_RELAXED);
         if (i >= J->n_items) break;
         run_item(J, J->items + 5 * (size_t)i, scratch);
     }
     free(scratch);
-    return NULL;
 }
 
 int lm_paged_attention(const float *q, float *out, const void *k, const void *v, int kv_f16, int num_seqs,
@@ -233,7 +237,7 @@ int lm_paged_attention(const float *q, float *out, const void *k, const void *v,
     }
 #endif
     job_t J = {q, out, k, v, kv_f16, q_start, q_len, ctx_len, tables, table_start,
-               block_size, n_head, n_kv, head_dim, n_swa, scale, 1, NULL, 0, 0};
+               block_size, n_head, n_kv, head_dim, n_swa, scale, 1, NULL, 0, 0, 0};
     const int group = n_head / n_kv;
     long tiles = 0;
     double work = 0;
@@ -259,17 +263,7 @@ int lm_paged_attention(const float *q, float *out, const void *k, const void *v,
                     it[0] = s; it[1] = h; it[2] = c; it[3] = r0;
                     it[4] = r0 + TILE_ROWS < q_len[s] ? r0 + TILE_ROWS : q_len[s];
                 }
-    pthread_t tid[LM_MAX_THREADS];
-    int started = 0, rc = LM_OK;
-    if (threads > LM_MAX_THREADS) threads = LM_MAX_THREADS;
-    for (int t = 1; t < threads; t++)
-        if (pthread_create(&tid[started], NULL, worker, &J) == 0) started++;
-    if (worker(&J) != NULL) rc = LM_ENOMEM;
-    for (int t = 0; t < started; t++) {
-        void *res = NULL;
-        pthread_join(tid[t], &res);
-        if (res != NULL) rc = LM_ENOMEM;
-    }
+    lm_pool_run(attend_part, &J, threads);
     free(J.items);
-    return rc;
+    return J.failed ? LM_ENOMEM : LM_OK;
 }

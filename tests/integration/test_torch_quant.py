@@ -86,3 +86,39 @@ def test_converted_weights_are_kept_and_read_back(gemma_path, tmp_path, caplog):
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
         f"dropped the converted weights {cached_file.name}"]
     assert cached_file.stat().st_size > 1000  # written again
+
+
+def test_gguf_blocks_scheme_keeps_the_files_blocks_and_reads_them_back(qwen_path, tmp_path):
+    """The "gguf-blocks" scheme: Q5_0 / Q8_0 layers multiply the file's own blocks with the
+    native kernel; converted once, read back from the cache, the same logits bit for bit."""
+    from localllm.config import CacheConfig, EngineConfig
+    from localllm.engine.request import SamplingParams, Sequence
+    from localllm.engine.scheduler import ScheduledSeq, SchedulerOutput
+    from localllm.runners.torch import native
+    from localllm.runners.torch.quant import BlockLinear
+    from localllm.runners.torch.runner import TorchRunner
+
+    if not native.available():
+        pytest.skip("localllm._native was not built here")
+    config = EngineConfig(model_path=qwen_path, cache=CacheConfig(n_ctx=256), n_threads=2, runner="torch",
+                          weights_cache_dir=tmp_path / "weights")
+    results = []
+    for _ in range(2):
+        runner = TorchRunner(config, scheme="gguf-blocks")
+        try:
+            layers = runner.model.layers[0]
+            kinds = {name: type(layers[name]).__name__ for name in ("q", "gate", "down")}
+            assert isinstance(runner.model.lm_head, BlockLinear) and runner.model.lm_head.kind == "Q8_0"
+            seq = Sequence(prompt_token_ids=runner.vocab.tokenize(b"def add(a, b):", True, False),
+                           params=SamplingParams())
+            seq.block_table = [0]
+            runner.attach(seq, 0)
+            logits = runner.execute(SchedulerOutput([ScheduledSeq(seq, seq.num_prompt_tokens)])).copy()
+            results.append((runner.weights_from_cache, kinds, logits))
+        finally:
+            runner.close()
+    (first_cached, kinds, logits), (second_cached, kinds2, logits2) = results
+    assert (first_cached, second_cached) == (False, True)
+    assert kinds == kinds2 == {"q": "BlockLinear", "gate": "BlockLinear", "down": kinds["down"]}
+    assert kinds["down"] in ("Int4Linear", "Int8Linear")  # Q4_K / Q6_K: the default scheme's layers
+    assert (logits == logits2).all()

@@ -7,6 +7,7 @@ rope "NEOX" rotates the halves (x[i], x[i + d/2]) (qwen2, gemma3).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -64,20 +65,28 @@ class Linear:
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
 
-def load_linear(weights: GGUFWeights, name: str, act_dtype: torch.dtype, device, bias: bool = False):
+def load_linear(weights: GGUFWeights, name: str, act_dtype: torch.dtype, device, bias: bool = False,
+                int8_types: frozenset[str] | None = None, blocks: bool = False):
     """The layer ``name`` (its ``.weight``, and ``.bias`` when asked) in the scheme its storage
-    calls for (see quant.py): on the CPU int4 or int8; on CUDA int4 where the storage is 4-bit
+    calls for (see quant.py): on the CPU int4 or int8 (or, with ``blocks``, the file's blocks); on CUDA int4 where the storage is 4-bit
     and the shape fits torch's CUDA kernel; float weights in ``act_dtype`` otherwise (when
-    computing in float32, on Apple's MPS)."""
-    from localllm.runners.torch import quant
+    computing in float32, on Apple's MPS). int8_types: the stored types kept as int8 rows
+    (quant.SCHEMES; the default scheme's when None). blocks: Q4_0 / Q5_0 / Q8_0 tensors stay in
+    their GGUF blocks for the native kernel (the "gguf-blocks" scheme; CPU only)."""
+    from localllm.runners.torch import native, quant
 
+    int8_types = quant.INT8_TYPES if int8_types is None else int8_types
     kind = weights.tensor_type(f"{name}.weight")
     dev = torch.device(device)
     b = weights.get(f"{name}.bias").to(device) if bias else None
-    dense = act_dtype == torch.float32 or kind in quant.FLOAT_TYPES or dev.type not in ("cpu", "cuda")
+    if blocks and kind in native.BLOCK_TYPES and dev.type == "cpu":
+        data, _, _ = weights.raw(f"{name}.weight")
+        return quant.BlockLinear(torch.from_numpy(np.array(data)), kind, bias=b)
+    dense = ((act_dtype == torch.float32 and not blocks) or kind in quant.FLOAT_TYPES
+             or dev.type not in ("cpu", "cuda"))
     if dev.type == "cuda" and not dense:
         rows, cols = weights.shape(f"{name}.weight")
-        dense = kind in quant.INT8_TYPES or quant.cuda_inner_k_tiles(rows, cols) is None
+        dense = kind in int8_types or quant.cuda_inner_k_tiles(rows, cols) is None
     if dense:
         return Linear(weights.get(f"{name}.weight").to(device=device, dtype=act_dtype),
                       b.to(act_dtype) if b is not None else None)
@@ -85,7 +94,7 @@ def load_linear(weights: GGUFWeights, name: str, act_dtype: torch.dtype, device,
         data, rows, cols = weights.raw(f"{name}.weight")
         return quant.Int4Linear.from_groups(*quant.q4k_groups(data, rows, cols), bias=b, device=dev)
     w = weights.get(f"{name}.weight")
-    if kind in quant.INT8_TYPES:
+    if kind in int8_types:
         return quant.Int8Linear.from_float(w, bias=b)
     return quant.Int4Linear.from_groups(*quant.int4_groups(w), bias=b, device=dev)  # Q4_0, Q4_1, lower
 
@@ -97,8 +106,10 @@ class LayerSource:
     ``.w8`` / ``.s8`` int8; vectors by their GGUF name)."""
 
     def __init__(self, weights: GGUFWeights, dtype: torch.dtype, device,
-                 cached: dict[str, torch.Tensor] | None = None):
+                 cached: dict[str, torch.Tensor] | None = None, int8_types: frozenset[str] | None = None,
+                 blocks: bool = False):
         self.weights, self.dtype, self.device, self.cached = weights, dtype, device, cached
+        self.int8_types, self.blocks = int8_types, blocks
         self.converted: dict[str, torch.Tensor] = {}
 
     def has(self, name: str) -> bool:
@@ -109,10 +120,12 @@ class LayerSource:
 
         c = self.cached
         if c is None:
-            layer = load_linear(self.weights, name, self.dtype, self.device, bias)
+            layer = load_linear(self.weights, name, self.dtype, self.device, bias, self.int8_types, self.blocks)
             self.converted.update({f"{name}.{k}": t for k, t in layer.tensors().items()})
             return layer
         b = c.get(f"{name}.b")
+        if f"{name}.blocks" in c:
+            return quant.BlockLinear.from_tensors(c[f"{name}.blocks"], c[f"{name}.kind"], b)
         if f"{name}.packed" in c:
             return quant.Int4Linear(c[f"{name}.packed"], c[f"{name}.sz"], b)
         if f"{name}.w8" in c:

@@ -14,7 +14,10 @@ import importlib.util
 
 import torch
 
-ABI_VERSION = 1  # native/localllm_native.h's LM_ABI_VERSION
+ABI_VERSION = 2  # native/localllm_native.h's LM_ABI_VERSION
+# GGUF block formats the native matmul reads in place (GGML's type numbers).
+BLOCK_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8}
+BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34}
 _ERRORS = {1: "invalid arguments", 2: "out of memory"}
 
 
@@ -35,6 +38,10 @@ def library() -> ctypes.CDLL | None:
     lib.lm_paged_attention.restype = ci
     lib.lm_paged_attention.argtypes = [vp, vp, vp, vp, ci, ci, vp, vp, vp, vp, vp, ci, ci, ci, ci,
                                        ctypes.c_float, ci, ci]
+    lib.lm_qmatmul.restype = ci
+    lib.lm_qmatmul.argtypes = [vp, ci, ci, vp, ci, ci, vp, ci, ci]
+    lib.lm_dequantize.restype = ci
+    lib.lm_dequantize.argtypes = [vp, ci, ci, ci, vp]
     return lib
 
 
@@ -59,4 +66,33 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         n_threads if n_threads is not None else torch.get_num_threads())
     if rc:
         raise RuntimeError(f"native paged attention failed: {_ERRORS.get(rc, rc)}")
+    return out
+
+
+def qmatmul(x: torch.Tensor, blocks: torch.Tensor, kind: str, n_threads: int | None = None,
+            force_scalar: bool = False) -> torch.Tensor:
+    """native/qmatmul.c: x (M, K) float32 times W^T, W (N, K) given as its GGUF blocks
+    (``blocks``: uint8 (N, K / 32 * block bytes), ``kind`` one of BLOCK_TYPES) -> (M, N) float32,
+    computed as llama.cpp does (x quantized to 8-bit blocks, integer block sums).
+    force_scalar: the portable C loop instead of the vector one (the tests compare them)."""
+    x = x.float().contiguous()
+    m, k = x.shape
+    n = blocks.shape[0]
+    if not blocks.is_contiguous() or blocks.shape[1] * 32 != k * BLOCK_BYTES[kind]:
+        raise ValueError(f"{kind} blocks of shape {tuple(blocks.shape)} do not hold a ({n}, {k}) matrix")
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = library().lm_qmatmul(x.data_ptr(), m, k, blocks.data_ptr(), BLOCK_TYPES[kind], n, y.data_ptr(),
+                              n_threads if n_threads is not None else torch.get_num_threads(), int(force_scalar))
+    if rc:
+        raise RuntimeError(f"native qmatmul failed: {_ERRORS.get(rc, rc)}")
+    return y
+
+
+def dequantize(blocks: torch.Tensor, kind: str, k: int) -> torch.Tensor:
+    """GGUF blocks (N, K / 32 * block bytes) -> the (N, K) float32 weights."""
+    n = blocks.shape[0]
+    out = torch.empty(n, k, dtype=torch.float32)
+    rc = library().lm_dequantize(blocks.contiguous().data_ptr(), BLOCK_TYPES[kind], n, k, out.data_ptr())
+    if rc:
+        raise RuntimeError(f"native dequantize failed: {_ERRORS.get(rc, rc)}")
     return out

@@ -26,8 +26,17 @@ import numpy as np
 import torch
 
 GROUP = 32
-INT8_TYPES = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"}
-FLOAT_TYPES = {"F32", "F16", "BF16"}
+INT8_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"})
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
+# The schemes of quantized files: scheme -> the stored types that become int8 rows (the other
+# quantized types become int4 groups). The default keeps 5-bit tensors at int8; "int4-bf16"
+# takes them to int4 too (fewer bytes a step, less faithful: docs/benchmarks.md's frontier).
+# "gguf-blocks" (where the native kernels were built): Q4_0 / Q5_0 / Q8_0 tensors stay in the
+# file's own blocks, multiplied by native/qmatmul.c as llama.cpp multiplies them (BlockLinear),
+# with float32 activations; the rest as the default scheme.
+SCHEMES = {"int4-int8-bf16": INT8_TYPES, "int4-bf16": frozenset({"Q6_K", "Q8_0"}), "gguf-blocks": INT8_TYPES}
+DEFAULT_SCHEME = "int4-int8-bf16"
+BLOCK_SCHEMES = frozenset({"gguf-blocks"})
 
 
 def q4k_groups(data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -137,4 +146,37 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
+        return y if self.bias is None else y + self.bias
+
+
+class BlockLinear:
+    """y = x W^T (+ b) with W kept in its GGUF blocks (Q4_0, Q5_0 or Q8_0) and multiplied by the
+    native kernel (native/qmatmul.c): x quantized to 8-bit blocks, integer sums per block, as
+    llama.cpp computes it. Takes and returns float32."""
+
+    def __init__(self, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None = None):
+        from localllm.runners.torch import native
+
+        self.blocks = blocks.contiguous()  # (out, in / 32 * block bytes) uint8
+        self.kind = kind
+        self.in_features = blocks.shape[1] * GROUP // native.BLOCK_BYTES[kind]
+        self.bias = bias.float() if bias is not None else None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        from localllm.runners.torch import native
+
+        return {"blocks": self.blocks, "kind": torch.tensor([native.BLOCK_TYPES[self.kind]], dtype=torch.int32),
+                **({"b": self.bias} if self.bias is not None else {})}
+
+    @classmethod
+    def from_tensors(cls, blocks: torch.Tensor, kind: torch.Tensor, bias: torch.Tensor | None) -> BlockLinear:
+        from localllm.runners.torch import native
+
+        names = {v: k for k, v in native.BLOCK_TYPES.items()}
+        return cls(blocks, names[int(kind[0])], bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from localllm.runners.torch import native
+
+        y = native.qmatmul(x.reshape(-1, self.in_features), self.blocks, self.kind)
         return y if self.bias is None else y + self.bias

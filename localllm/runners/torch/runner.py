@@ -49,11 +49,14 @@ def architecture(path: Path) -> str | None:
 class TorchRunner:
     name = "torch"
 
-    def __init__(self, config: EngineConfig, device: torch.device | None = None, native: bool | None = None):
+    def __init__(self, config: EngineConfig, device: torch.device | None = None, native: bool | None = None,
+                 scheme: str | None = None):
         """native: attend with the native kernel (native/attention.c); by default wherever it
-        was built and the pool is on the CPU (False: the pure-torch reference, for comparing)."""
+        was built and the pool is on the CPU (False: the pure-torch reference, for comparing).
+        scheme: the weight scheme of a quantized file (quant.SCHEMES; benchmarks compare them)."""
         from localllm.runners.llamacpp import VocabFile
         from localllm.runners.torch import native as native_kernels
+        from localllm.runners.torch import quant
 
         path = Path(config.model_path)
         self.device = device or pick_device()
@@ -68,12 +71,20 @@ class TorchRunner:
                                  "use --runner llamacpp")
         # Quantized files: int4 / int8 weights with bfloat16 matmuls (see quant.py); files of
         # floats: float32 throughout (the exact path the parity tests compare).
-        self.weights_scheme = "int4-int8-bf16" if weights.is_quantized else "f32"
-        dtype = torch.bfloat16 if weights.is_quantized else torch.float32
+        scheme = scheme or quant.DEFAULT_SCHEME
+        if scheme not in quant.SCHEMES:
+            raise EngineError(f"weight scheme {scheme!r} is not one of {', '.join(quant.SCHEMES)}")
+        if scheme in quant.BLOCK_SCHEMES and not (native_kernels.available() and self.device.type == "cpu"):
+            raise EngineError(f"the {scheme!r} weight scheme needs localllm's native kernels on the CPU")
+        self.weights_scheme = scheme if weights.is_quantized else "f32"
+        blocks = weights.is_quantized and scheme in quant.BLOCK_SCHEMES
+        # Block layers take float32 activations (they quantize them to 8 bits themselves).
+        dtype = torch.bfloat16 if weights.is_quantized and not blocks else torch.float32
         cache = None
         if config.weights_cache_dir is not None and weights.is_quantized and self.device.type == "cpu":
             cache = WeightCache(config.weights_cache_dir, path, self.weights_scheme)
-        source = LayerSource(weights, dtype, self.device, cache.load() if cache else None)
+        source = LayerSource(weights, dtype, self.device, cache.load() if cache else None,
+                             int8_types=quant.SCHEMES[scheme], blocks=blocks)
         self.model = models.build(self.config, source, dtype, self.device)
         self.weights_from_cache = source.cached is not None
         if cache is not None and not self.weights_from_cache:

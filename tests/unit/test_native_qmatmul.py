@@ -1,0 +1,84 @@
+"""native/qmatmul.c against the plain computation: y = x W^T with W read from its GGUF blocks
+(Q4_0, Q5_0, Q8_0 written by the gguf package's own quantizer) and x quantized to 8-bit blocks
+as llama.cpp does. No model needed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+gguf = pytest.importorskip("gguf")
+
+from localllm.runners.torch import native  # noqa: E402
+from localllm.runners.torch.quant import BlockLinear  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="localllm._native was not built here")
+KINDS = ["Q4_0", "Q5_0", "Q8_0"]
+
+
+def blocks_of(w: np.ndarray, kind: str) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind]))
+
+
+def q8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x as llama.cpp's Q8_0 activations: per 32, scale max|x| / 127 kept as float16, values
+    rounded to nearest even."""
+    g = x.reshape(x.shape[0], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    q = torch.round(g * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+    return (q * (amax / 127).half().float()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantize_gives_the_gguf_packages_weights(kind):
+    w = np.random.default_rng(0).standard_normal((24, 128)).astype(np.float32)
+    blocks = blocks_of(w, kind)
+    want = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[kind])
+    assert torch.equal(native.dequantize(blocks, kind, 128), torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+def test_qmatmul_is_the_product_of_the_quantized_activations_and_weights(kind, m):
+    rng = np.random.default_rng(m)
+    n, k = 200, 256  # 200 rows: not a multiple of the 8-row runs the threads take
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    blocks = blocks_of(w, kind)
+    wq = native.dequantize(blocks, kind, k).double()
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    x[0, :32] = 0  # an all-zero block
+    want = (q8_blocks(x).double() @ wq.t()).float()
+    for threads in (1, 2, 3):
+        got = native.qmatmul(x, blocks, kind, n_threads=threads)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(native.qmatmul(x, blocks, kind, force_scalar=True), want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind):
+    """Decoding one token and checking it among drafts must give the same logits (greedy
+    output does not change with drafting on)."""
+    rng = np.random.default_rng(7)
+    blocks = blocks_of(rng.standard_normal((64, 96)).astype(np.float32), kind)
+    x = torch.from_numpy(rng.standard_normal((7, 96)).astype(np.float32))
+    alone = torch.cat([native.qmatmul(x[i:i + 1], blocks, kind) for i in range(7)])
+    assert torch.equal(native.qmatmul(x, blocks, kind), alone)
+
+
+def test_block_linear_adds_its_bias_and_takes_any_leading_shape():
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((40, 64)).astype(np.float32)
+    bias = torch.randn(40)
+    layer = BlockLinear(blocks_of(w, "Q8_0"), "Q8_0", bias=bias)
+    x = torch.randn(5, 64)
+    assert layer.in_features == 64
+    torch.testing.assert_close(layer(x), native.qmatmul(x, layer.blocks, "Q8_0") + bias)
+    again = BlockLinear.from_tensors(**{k if k != "b" else "bias": v for k, v in layer.tensors().items()})
+    assert again.kind == "Q8_0" and torch.equal(again(x), layer(x))
+
+
+def test_bad_shapes_are_refused_with_a_clear_error():
+    blocks = blocks_of(np.ones((8, 64), dtype=np.float32), "Q5_0")
+    with pytest.raises(ValueError, match="do not hold"):
+        native.qmatmul(torch.ones(1, 96), blocks, "Q5_0")
