@@ -1,6 +1,7 @@
 """The torch runner's paged attention and rope, with no model: attention read through
 scattered block tables equals plain causal attention over contiguous K/V (grouped-query
-heads, sliding window, several sequences in one flattened batch)."""
+heads, sliding window, several sequences in one flattened batch); the pool's K/V bytes for the
+prefix cache round-trip between block tables, and bytes of another layout are refused."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from localllm.runners.torch.attention import AttnBatch, KVPool, paged_attention  # noqa: E402
+from localllm.runners.torch.attention import (  # noqa: E402
+    KV_HEADER, KV_MAGIC, AttnBatch, KVPool, block_slots, paged_attention)
 from localllm.runners.torch.layers import Rope  # noqa: E402
 
 BS = 4
@@ -72,3 +74,63 @@ def test_norm_rope_on_pairs_is_neox_rope_on_permuted_dims():
     neox = Rope(hd, 10000.0, neox=True, device="cpu")(x[..., perm], pos)
     torch.testing.assert_close(norm[..., perm], neox)
     torch.testing.assert_close(Rope(hd, 10000.0, True, "cpu")(x, torch.zeros(5, dtype=torch.long)), x)
+
+
+def filled_pool(table, num_tokens, n_layer=2, n_kv=2, hd=4, dtype=torch.float16):
+    """A pool whose positions 0..num_tokens-1 (at ``table``) hold random K/V; (pool, slots)."""
+    g = torch.Generator().manual_seed(3)
+    pool = KVPool(n_layer, num_blocks=12, block_size=BS, n_kv_heads=n_kv, head_dim=hd, dtype=dtype)
+    slots = block_slots(table, num_tokens, BS)
+    for layer in range(n_layer):
+        pool.write(layer, slots, torch.randn(num_tokens, n_kv, hd, generator=g),
+                   torch.randn(num_tokens, n_kv, hd, generator=g))
+    return pool, slots
+
+
+def test_kv_bytes_round_trip_into_other_blocks():
+    src, src_slots = filled_pool([9, 2], 7)
+    payload = src.export_slots(src_slots)
+    # 32 header bytes, then 2 layers x (K, V) x 7 positions x 2 heads x 4 halves.
+    assert payload.nbytes == 32 + 2 * 2 * 7 * 2 * 4 * 2
+    assert KV_HEADER.unpack_from(payload) == (KV_MAGIC, 1, 1, 2, 2, 4, 7)
+    body = bytes(payload)[32:]
+    layer1_v = src.v[1].view(-1, 2, 4)[src_slots].numpy().tobytes()
+    assert body[3 * len(layer1_v):] == layer1_v  # layer 0 K, layer 0 V, layer 1 K, layer 1 V
+    # The first 6 positions, into a sequence whose blocks are 5 and 0.
+    dst = KVPool(2, num_blocks=12, block_size=BS, n_kv_heads=2, head_dim=4, dtype=torch.float16)
+    dst_slots = block_slots([5, 0], 6, BS)
+    assert dst_slots.tolist() == [20, 21, 22, 23, 0, 1]
+    assert dst.import_slots(dst_slots, bytearray(payload))
+    for layer in range(2):
+        for got, want in ((dst.k[layer], src.k[layer]), (dst.v[layer], src.v[layer])):
+            flat = got.view(-1, 2, 4)
+            assert torch.equal(flat[dst_slots], want.view(-1, 2, 4)[src_slots[:6]])
+            untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+            untouched[dst_slots] = False
+            assert not flat[untouched].any()
+    assert dst.import_slots(dst_slots, bytes(payload))  # a read-only buffer is read as well
+
+
+@pytest.mark.parametrize("other", ["magic", "version", "dtype", "layers", "heads", "head_dim", "short", "truncated"])
+def test_kv_bytes_of_another_layout_are_refused_and_nothing_is_written(other):
+    pool, slots = filled_pool([1, 2], 6)
+    payload = bytearray(pool.export_slots(slots))
+    fields = list(KV_HEADER.unpack_from(payload))
+    if other == "dtype":
+        payload = bytearray(filled_pool([1, 2], 6, dtype=torch.float32)[0].export_slots(slots))
+    elif other == "layers":
+        payload = bytearray(filled_pool([1, 2], 6, n_layer=3)[0].export_slots(slots))
+    elif other == "heads":
+        payload = bytearray(filled_pool([1, 2], 6, n_kv=1, hd=8)[0].export_slots(slots))
+    elif other == "head_dim":
+        payload = bytearray(filled_pool([1, 2], 6, n_kv=4, hd=2)[0].export_slots(slots))
+    elif other == "truncated":
+        payload = payload[:-2]
+    elif other != "short":
+        fields[{"magic": 0, "version": 1}[other]] = b"LLMKVPFX" if other == "magic" else 2
+        KV_HEADER.pack_into(payload, 0, *fields)
+    dst = KVPool(2, num_blocks=12, block_size=BS, n_kv_heads=2, head_dim=4, dtype=torch.float16)
+    want = 7 if other == "short" else 6  # asks for more positions than the bytes hold
+    assert not dst.import_slots(block_slots([3, 4], want, BS), payload)
+    assert not any(t.any() for t in dst.k + dst.v)
+    assert not dst.import_slots(block_slots([3], 2, BS), b"LLMTORKV")  # shorter than a header
