@@ -33,8 +33,9 @@ def dense_attention(q, k, v, scale, n_swa=0):
     return out
 
 
+@pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize("n_swa", [0, 5])
-def test_paged_attention_equals_dense_attention_over_scattered_blocks(n_swa):
+def test_paged_attention_equals_dense_attention_over_scattered_blocks(n_swa, exact):
     g = torch.Generator().manual_seed(0)
     n_head, n_kv, hd = 4, 2, 8
     pool = KVPool(1, num_blocks=16, block_size=BS, n_kv_heads=n_kv, head_dim=hd, dtype=torch.float32)
@@ -45,9 +46,9 @@ def test_paged_attention_equals_dense_attention_over_scattered_blocks(n_swa):
     vs = [torch.randn(n, n_kv, hd, generator=g) for n in lengths]
     # The context before this step is already in the pool.
     for table, k, v, n, m in zip(tables, ks, vs, lengths, new):
-        old = AttnBatch.build([(table, 0, n - m)], BS, "cpu")
+        old = AttnBatch.build([(table, 0, n - m, False)], BS, "cpu")
         pool.write(0, old.slots, k[:n - m], v[:n - m])
-    batch = AttnBatch.build([(t, n - m, m) for t, n, m in zip(tables, lengths, new)], BS, "cpu")
+    batch = AttnBatch.build([(t, n - m, m, exact) for t, n, m in zip(tables, lengths, new)], BS, "cpu")
     pool.write(0, batch.slots, torch.cat([k[n - m:] for k, n, m in zip(ks, lengths, new)]),
                torch.cat([v[n - m:] for v, n, m in zip(vs, lengths, new)]))
     q = torch.randn(sum(new), n_head, hd, generator=g)
@@ -59,10 +60,31 @@ def test_paged_attention_equals_dense_attention_over_scattered_blocks(n_swa):
 
 
 def test_batch_slots_follow_the_block_tables():
-    batch = AttnBatch.build([([7, 3], 5, 2), ([1], 0, 3)], BS, "cpu")
+    batch = AttnBatch.build([([7, 3], 5, 2, True), ([1], 0, 3, False)], BS, "cpu")
     assert batch.slots.tolist() == [3 * BS + 1, 3 * BS + 2, 1 * BS + 0, 1 * BS + 1, 1 * BS + 2]
     assert batch.spans[0].ctx_slots.tolist() == [28, 29, 30, 31, 12, 13, 14]
-    assert [(s.q_start, s.q_len, s.ctx_len) for s in batch.spans] == [(0, 2, 7), (2, 3, 3)]
+    assert [(s.q_start, s.q_len, s.ctx_len, s.exact) for s in batch.spans] == [(0, 2, 7, True), (2, 3, 3, False)]
+
+
+def test_an_exact_position_decoded_alone_equals_it_checked_among_drafts():
+    """Bit for bit: the float32 result of a decode step's query equals that of the same query
+    as the first row of a verify step (1 + k rows, the drafts' keys masked), whatever k."""
+    g = torch.Generator().manual_seed(2)
+    n_head, n_kv, hd, length = 14, 2, 64, 300
+    pool = KVPool(1, num_blocks=24, block_size=16, n_kv_heads=n_kv, head_dim=hd, dtype=torch.float16)
+    table = list(range(24))[::-1]
+    pool.write(0, block_slots(table, length, 16), torch.randn(length, n_kv, hd, generator=g),
+               torch.randn(length, n_kv, hd, generator=g))
+    q = torch.randn(length, n_head, hd, generator=g)
+
+    def attend(start, num):
+        return paged_attention(q[start:start + num], pool, 0, AttnBatch.build([(table, start, num, True)], 16, "cpu"),
+                               0.125)
+
+    for p in range(250, 290, 3):
+        alone = attend(p, 1)
+        for k in (1, 2, 5, 10):
+            assert torch.equal(attend(p, 1 + k)[:1], alone), (p, k)
 
 
 def test_norm_rope_on_pairs_is_neox_rope_on_permuted_dims():

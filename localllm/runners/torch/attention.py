@@ -110,6 +110,7 @@ class SeqSpan:
     q_len: int  # its new tokens this step
     ctx_len: int  # positions with KV after this step (its queries are the last q_len of them)
     ctx_slots: torch.Tensor  # (ctx_len,) the slots of positions 0..ctx_len-1
+    exact: bool  # decoded (or drafted) positions: attention in float64, see paged_attention
 
 
 @dataclass
@@ -118,13 +119,13 @@ class AttnBatch:
     spans: list[SeqSpan]
 
     @classmethod
-    def build(cls, seqs: list[tuple[list[int], int, int]], block_size: int, device) -> AttnBatch:
-        """seqs: (block_table, first new position, number of new tokens) per sequence."""
+    def build(cls, seqs: list[tuple[list[int], int, int, bool]], block_size: int, device) -> AttnBatch:
+        """seqs: (block_table, first new position, number of new tokens, exact) per sequence."""
         spans, new_slots, row = [], [], 0
-        for table, start, num in seqs:
+        for table, start, num, exact in seqs:
             ctx_len = start + num
             slots = block_slots(table, ctx_len, block_size).to(device)
-            spans.append(SeqSpan(row, num, ctx_len, slots))
+            spans.append(SeqSpan(row, num, ctx_len, slots, exact))
             new_slots.append(slots[start:])
             row += num
         return cls(torch.cat(new_slots) if new_slots else torch.empty(0, dtype=torch.long, device=device), spans)
@@ -141,25 +142,32 @@ def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, n_swa: int) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, batch: AttnBatch, scale: float,
                     n_swa: int = 0) -> torch.Tensor:
-    """The reference: per sequence, gather its context's K/V through its slots and attend.
-    q: (N, n_head, hd) -> (N, n_head, hd), in q's dtype."""
+    """The reference: per sequence, gather its context's K/V through its slots and attend, all
+    query heads that share a KV head in one matmul. q: (N, n_head, hd) -> (N, n_head, hd), in
+    q's dtype.
+
+    Exact spans (decoding, and checking drafts) are computed in float64. The CPU's float32
+    matmuls sum in an order that depends on the matrices' shapes, so a position decoded alone
+    and the same position checked among drafts would differ in their last bits, and the
+    bfloat16 activations downstream can turn that into another greedy token; in float64 both
+    round to the same float32, so drafting never changes greedy output."""
     out = torch.empty_like(q)
-    n_kv, hd = pool.k[layer].shape[2], pool.k[layer].shape[3]
+    _, _, n_kv, hd = pool.k[layer].shape
     k_flat = pool.k[layer].view(-1, n_kv, hd)
     v_flat = pool.v[layer].view(-1, n_kv, hd)
     group = q.shape[1] // n_kv
     for span in batch.spans:
-        qs = q[span.q_start:span.q_start + span.q_len]  # (q, H, hd)
-        k = k_flat.index_select(0, span.ctx_slots).to(q.dtype)  # (L, n_kv, hd)
-        v = v_flat.index_select(0, span.ctx_slots).to(q.dtype)
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        q_pos = torch.arange(span.ctx_len - span.q_len, span.ctx_len, device=q.device)
+        n, dt = span.q_len, torch.float64 if span.exact else q.dtype
+        qs = q[span.q_start:span.q_start + n].to(dt).view(n, n_kv, group, hd)
+        qs = qs.permute(1, 2, 0, 3).reshape(n_kv, group * n, hd)  # (n_kv, g*q, hd), head = kv*g + g'
+        k = k_flat.index_select(0, span.ctx_slots).to(dt).permute(1, 2, 0)  # (n_kv, hd, L)
+        v = v_flat.index_select(0, span.ctx_slots).to(dt).transpose(0, 1)  # (n_kv, L, hd)
+        q_pos = torch.arange(span.ctx_len - n, span.ctx_len, device=q.device)
         k_pos = torch.arange(span.ctx_len, device=q.device)
         mask = _mask(q_pos, k_pos, n_swa)  # (q, L)
-        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        scores = torch.matmul(qs, k).view(n_kv, group, n, span.ctx_len) * scale
         scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out[span.q_start:span.q_start + span.q_len] = torch.einsum("hqk,khd->qhd", probs, v)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(dt, torch.float32)).to(dt)
+        o = torch.matmul(probs.view(n_kv, group * n, span.ctx_len), v)  # (n_kv, g*q, hd)
+        out[span.q_start:span.q_start + n] = o.view(n_kv, group, n, hd).permute(2, 0, 1, 3).reshape(n, -1, hd)
     return out

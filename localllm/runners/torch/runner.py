@@ -109,7 +109,7 @@ class TorchRunner:
                                   f"positions, not {start + k}")
             tokens += ids
             positions += range(start, start + k)
-            spans.append((seq.block_table, start, k))
+            spans.append((seq.block_table, start, k, start >= seq.num_prompt_tokens))
             if sched.needs_logits:
                 rows += range(n + k - sched.num_logits, n + k)
             self._lengths[seq.seq_id] = start + k
