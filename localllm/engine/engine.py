@@ -501,7 +501,7 @@ class _StoredPrefixes:
             return False
         status = self.runner.import_kv(seq, payload, num_tokens)
         if status == "refused":
-            self.store.reject(found, "llama.cpp did not accept its KV bytes")
+            self.store.reject(found, f"the {self.runner.name} runner did not accept its KV bytes")
         return status == "ok"
 
 

@@ -27,7 +27,8 @@ Entry file format (little-endian)::
     size       u64       bytes of the KV payload
     checksum   u32       CRC-32 over the header's other fields, the token ids and the payload
     tokens     num_tokens x i32
-    payload    size bytes (llama.cpp: llama_state_seq_get_data of the sequence)
+    payload    size bytes (llama.cpp: llama_state_seq_get_data of the sequence; torch:
+               KVPool.export_slots of its positions)
 
 Nothing in it is executed or unpickled. A file is written to a temporary name, fsynced and
 renamed, then indexed; eviction unindexes before it unlinks. So a crash at any moment leaves

@@ -1,22 +1,28 @@
 """The on-disk prefix cache with the real models: a new engine (as after a restart) loads a
 long prompt from disk and answers as the first one did; damaged, truncated and foreign
-entries are refused with one warning line and the prompt is computed; Gemma 3's sliding
-window loads only what gives the same logits; the chat app's resume hits the disk."""
+entries, and KV bytes the runner does not take, are refused with one warning line and the
+prompt is computed (these Qwen tests on both runners); Gemma 3's sliding window loads only
+what gives the same logits (llama.cpp's: to the engine the torch runner has no window); the
+chat app's resume hits the disk."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
 from localllm.config import CacheConfig, EngineConfig
 from localllm.engine.engine import LLMEngine
-from localllm.engine.prefix_store import entry_key
+from localllm.engine.prefix_store import decode_entry, encode_header, entry_key
 from localllm.engine.request import SamplingParams
 from localllm.tui.backend import LocalBackend
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from runners import runner_names  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -25,9 +31,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12)
 SOURCE = "".join(f"def scale_{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(40))
 
 
-def make_engine(model: Path, store: Path, **kwargs) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_path=model, cache=CacheConfig(n_ctx=N_CTX), n_threads=2,
-                                  prefix_cache_dir=store, **kwargs))
+def make_engine(model: Path, store: Path, runner: str = "llamacpp", **kwargs) -> LLMEngine:
+    from localllm import paths
+
+    engine = LLMEngine(EngineConfig(model_path=model, cache=CacheConfig(n_ctx=N_CTX), n_threads=2,
+                                    prefix_cache_dir=store, runner=runner,
+                                    weights_cache_dir=paths.weights_cache_dir(), **kwargs))
+    assert engine.runner.name == runner
+    return engine
 
 
 def answer(engine: LLMEngine, prompt: list[int], params: SamplingParams = GREEDY):
@@ -38,11 +49,16 @@ def warnings_of(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+@pytest.fixture(scope="module", params=runner_names())
+def runner(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def cold(qwen_path, tmp_path_factory):
+def cold(qwen_path, runner, tmp_path_factory):
     """A prompt of ~600 tokens answered by a first engine, which stores it; (store, prompt, output)."""
     store = tmp_path_factory.mktemp("prefix")
-    engine = make_engine(qwen_path, store)
+    engine = make_engine(qwen_path, store, runner)
     prompt = engine.tokenizer.encode(SOURCE + "# scale_40 comes next:\n")
     out = answer(engine, prompt)
     assert out.metrics.num_cached_tokens == 0
@@ -55,9 +71,9 @@ def copy_store(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_a_new_engine_loads_the_prompt_from_disk_and_answers_the_same(qwen_path, cold, tmp_path):
+def test_a_new_engine_loads_the_prompt_from_disk_and_answers_the_same(qwen_path, runner, cold, tmp_path):
     store, prompt, first = cold
-    engine = make_engine(qwen_path, copy_store(store, tmp_path / "prefix"))
+    engine = make_engine(qwen_path, copy_store(store, tmp_path / "prefix"), runner)
     try:
         again = answer(engine, prompt)
         assert again.metrics.num_disk_cached_tokens == again.metrics.num_cached_tokens == len(prompt) - 1
@@ -77,10 +93,10 @@ def test_a_new_engine_loads_the_prompt_from_disk_and_answers_the_same(qwen_path,
         engine.close()
 
 
-def test_a_prompt_already_stored_is_not_written_again(qwen_path, cold, tmp_path):
+def test_a_prompt_already_stored_is_not_written_again(qwen_path, runner, cold, tmp_path):
     store, prompt, _ = cold
     directory = copy_store(store, tmp_path / "prefix")
-    engine = make_engine(qwen_path, directory)
+    engine = make_engine(qwen_path, directory, runner)
     try:
         answer(engine, prompt)
         engine.prefix_store.flush(30)
@@ -106,12 +122,12 @@ def _foreign_entry(gemma_path: Path, prompt: list[int], tmp_path: Path) -> bytes
         engine.close()
 
 
-@pytest.mark.parametrize("damage", ["garbled", "truncated", "foreign"])
+@pytest.mark.parametrize("damage", ["garbled", "truncated", "foreign", "cut-kv"])
 def test_a_bad_entry_is_refused_with_one_warning_and_the_prompt_computed(
-        qwen_path, gemma_path, cold, tmp_path, caplog, damage):
+        qwen_path, gemma_path, runner, cold, tmp_path, caplog, damage):
     store, prompt, first = cold
     directory = copy_store(store, tmp_path / "prefix")
-    engine = make_engine(qwen_path, directory)
+    engine = make_engine(qwen_path, directory, runner)
     path = engine.prefix_store.index.file(entry_key(engine.prefix_store.model, prompt))
     data = bytearray(path.read_bytes())
     if damage == "garbled":
@@ -120,21 +136,26 @@ def test_a_bad_entry_is_refused_with_one_warning_and_the_prompt_computed(
         path.write_bytes(data)
     elif damage == "truncated":
         path.write_bytes(data[:len(data) * 2 // 3])
-    else:
+    elif damage == "foreign":
         path.write_bytes(_foreign_entry(gemma_path, prompt, tmp_path))
+    else:  # an intact entry (its checksum made anew) whose KV bytes lack their last third
+        model = engine.prefix_store.model
+        token_ids, payload = decode_entry(data, model)
+        payload = payload[:payload.nbytes * 2 // 3]
+        path.write_bytes(encode_header(model, token_ids, payload) + bytes(payload))
     try:
         with caplog.at_level(logging.WARNING, logger="localllm"):
             out = answer(engine, prompt)
         (warning,) = warnings_of(caplog)
-        reason = {"garbled": "checksum mismatch", "truncated": "truncated",
-                  "foreign": "another model"}[damage]
+        reason = {"garbled": "checksum mismatch", "truncated": "truncated", "foreign": "another model",
+                  "cut-kv": f"the {runner} runner did not accept its KV bytes"}[damage]
         assert path.name in warning and reason in warning
         assert out.metrics.num_cached_tokens == 0 and out.token_ids == first.token_ids
         engine.prefix_store.flush(30)
         assert engine.prefix_store.num_writes == 1  # computed in full, so stored again
     finally:
         engine.close()
-    engine = make_engine(qwen_path, directory)
+    engine = make_engine(qwen_path, directory, runner)
     try:
         assert answer(engine, prompt).metrics.num_disk_cached_tokens == len(prompt) - 1
     finally:

@@ -1,9 +1,12 @@
-"""Speculative decoding in the real engine on the real Qwen2.5-Coder-0.5B file: greedy output
-unchanged by drafting (single and batched), the KV cache rolled back to exactly the accepted
-tokens, stops and limits inside an accepted run, and sampling that keeps the model's
-distribution (a chi-square test)."""
+"""Speculative decoding in the real engine on the real Qwen2.5-Coder-0.5B file, on both runners:
+greedy output unchanged by drafting (single and batched; exactly so on the torch runner), the
+KV cache rolled back to exactly the accepted tokens, stops and limits inside an accepted run,
+and sampling that keeps the model's distribution (a chi-square test)."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +14,9 @@ import pytest
 from localllm.config import CacheConfig, EngineConfig, SchedulerConfig
 from localllm.engine.engine import LLMEngine
 from localllm.engine.request import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from runners import runner_names  # noqa: E402
 
 SNIPPET = '''def moving_average(values, window):
     """The mean of each run of `window` consecutive values."""
@@ -55,9 +61,17 @@ PROMPTS = [
 MAX_TOKENS = 64
 
 
-@pytest.fixture(scope="module")
-def engine(qwen_path):
-    engine = LLMEngine(EngineConfig(model_path=qwen_path, cache=CacheConfig(n_ctx=8192), n_threads=2))
+def make_engine(path, runner: str, **config) -> LLMEngine:
+    from localllm import paths
+
+    return LLMEngine(EngineConfig(model_path=path, cache=CacheConfig(n_ctx=8192), n_threads=2, runner=runner,
+                                  weights_cache_dir=paths.weights_cache_dir(), **config))
+
+
+@pytest.fixture(scope="module", params=runner_names())
+def engine(qwen_path, request):
+    engine = make_engine(qwen_path, request.param)
+    assert engine.runner.name == request.param
     yield engine
     engine.close()
 
@@ -68,7 +82,7 @@ def chat(engine: LLMEngine, text: str) -> list[int]:
 
 def generate(engine: LLMEngine, prompts: list[list[int]], speculative: bool | None, **params):
     """Run prompts together; per prompt its output tokens and metrics. After every step, each
-    running sequence's KV in llama.cpp ends exactly at its computed tokens."""
+    running sequence's KV in the runner ends exactly at its computed tokens."""
     seqs = [engine.add_request(p, SamplingParams(speculative=speculative, **params)) for p in prompts]
     tokens = {s.request_id: [] for s in seqs}
     metrics, finish = {}, {}
@@ -124,7 +138,9 @@ def test_greedy_output_is_the_same_with_drafting_forced_on_single(engine):
         [(drafted, m, _)] = generate(engine, [prompt], True, temperature=0.0, max_tokens=MAX_TOKENS)
         num_same += same_or_near_tie(drafted, plain, tops)
         proposed, accepted = proposed + m.num_draft_proposed, accepted + m.num_draft_accepted
-    assert num_same >= 14  # 15 of 20 on the 2-core EPYC where this was written
+    # llama.cpp: 15 of 20 on the 2-core EPYC where this was written; the torch runner computes
+    # a drafted position as it decodes it (see paged_attention), so all 20.
+    assert num_same >= (len(PROMPTS) if engine.runner.name == "torch" else 14)
     assert accepted > 200 and proposed > accepted  # drafts were made, kept and rejected
 
 
@@ -133,7 +149,7 @@ def test_greedy_output_is_the_same_with_drafting_forced_on_batched(engine):
     plain = reference(engine, prompts)
     drafted = generate(engine, prompts, True, temperature=0.0, max_tokens=MAX_TOKENS)
     num_same = sum(same_or_near_tie(d, p, tops) for (d, _, _), (p, tops) in zip(drafted, plain))
-    assert num_same >= 6
+    assert num_same >= (len(prompts) if engine.runner.name == "torch" else 6)
     assert sum(m.num_draft_accepted for _, m, _ in drafted) > 50
 
 
@@ -160,15 +176,15 @@ def test_stops_and_limits_inside_an_accepted_run_end_at_the_right_token(engine):
     assert not eos or full[-1] == eos[0]  # EOS ends the run like any decode step
 
 
-def test_sampling_with_drafts_keeps_the_models_distribution(qwen_path):
+@pytest.mark.parametrize("runner", runner_names())
+def test_sampling_with_drafts_keeps_the_models_distribution(qwen_path, runner):
     """The second and third sampled tokens (a separator and the second color: the draft
     guesses what followed the first color in the prompt), with drafting forced on and off,
     over 640 seeds each: a two-sample chi-square test on their joint counts must not reject
     (p > 0.001). The prompt is a random list of a few colors, so drafts from it are often
     right and often wrong. (The same seeds give mostly the same draws both ways: a verify
     step takes each row's token with the draw plain sampling would use.)"""
-    engine = LLMEngine(EngineConfig(model_path=qwen_path, cache=CacheConfig(n_ctx=8192), n_threads=2,
-                                    scheduler=SchedulerConfig(max_num_seqs=64)))
+    engine = make_engine(qwen_path, runner, scheduler=SchedulerConfig(max_num_seqs=64))
     prompt = chat(engine, "Continue this list of random colors, one per line, with 20 more:\n"
                           "red\nblue\ngreen\nred\ngreen\nblue\nblue\nred\ngreen\nyellow\nred")
     params = dict(temperature=1.0, top_k=4, max_tokens=4)

@@ -1,6 +1,7 @@
 """The torch runner's paged attention and rope, with no model: attention read through
 scattered block tables equals plain causal attention over contiguous K/V (grouped-query
-heads, sliding window, several sequences in one flattened batch)."""
+heads, sliding window, several sequences in one flattened batch); the pool's K/V bytes for the
+prefix cache round-trip between block tables, and bytes of another layout are refused."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from localllm.runners.torch.attention import AttnBatch, KVPool, paged_attention  # noqa: E402
+from localllm.runners.torch.attention import (  # noqa: E402
+    KV_HEADER, KV_MAGIC, AttnBatch, KVPool, block_slots, paged_attention)
 from localllm.runners.torch.layers import Rope  # noqa: E402
 
 BS = 4
@@ -31,8 +33,9 @@ def dense_attention(q, k, v, scale, n_swa=0):
     return out
 
 
+@pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize("n_swa", [0, 5])
-def test_paged_attention_equals_dense_attention_over_scattered_blocks(n_swa):
+def test_paged_attention_equals_dense_attention_over_scattered_blocks(n_swa, exact):
     g = torch.Generator().manual_seed(0)
     n_head, n_kv, hd = 4, 2, 8
     pool = KVPool(1, num_blocks=16, block_size=BS, n_kv_heads=n_kv, head_dim=hd, dtype=torch.float32)
@@ -43,9 +46,9 @@ def test_paged_attention_equals_dense_attention_over_scattered_blocks(n_swa):
     vs = [torch.randn(n, n_kv, hd, generator=g) for n in lengths]
     # The context before this step is already in the pool.
     for table, k, v, n, m in zip(tables, ks, vs, lengths, new):
-        old = AttnBatch.build([(table, 0, n - m)], BS, "cpu")
+        old = AttnBatch.build([(table, 0, n - m, False)], BS, "cpu")
         pool.write(0, old.slots, k[:n - m], v[:n - m])
-    batch = AttnBatch.build([(t, n - m, m) for t, n, m in zip(tables, lengths, new)], BS, "cpu")
+    batch = AttnBatch.build([(t, n - m, m, exact) for t, n, m in zip(tables, lengths, new)], BS, "cpu")
     pool.write(0, batch.slots, torch.cat([k[n - m:] for k, n, m in zip(ks, lengths, new)]),
                torch.cat([v[n - m:] for v, n, m in zip(vs, lengths, new)]))
     q = torch.randn(sum(new), n_head, hd, generator=g)
@@ -57,10 +60,31 @@ def test_paged_attention_equals_dense_attention_over_scattered_blocks(n_swa):
 
 
 def test_batch_slots_follow_the_block_tables():
-    batch = AttnBatch.build([([7, 3], 5, 2), ([1], 0, 3)], BS, "cpu")
+    batch = AttnBatch.build([([7, 3], 5, 2, True), ([1], 0, 3, False)], BS, "cpu")
     assert batch.slots.tolist() == [3 * BS + 1, 3 * BS + 2, 1 * BS + 0, 1 * BS + 1, 1 * BS + 2]
     assert batch.spans[0].ctx_slots.tolist() == [28, 29, 30, 31, 12, 13, 14]
-    assert [(s.q_start, s.q_len, s.ctx_len) for s in batch.spans] == [(0, 2, 7), (2, 3, 3)]
+    assert [(s.q_start, s.q_len, s.ctx_len, s.exact) for s in batch.spans] == [(0, 2, 7, True), (2, 3, 3, False)]
+
+
+def test_an_exact_position_decoded_alone_equals_it_checked_among_drafts():
+    """Bit for bit: the float32 result of a decode step's query equals that of the same query
+    as the first row of a verify step (1 + k rows, the drafts' keys masked), whatever k."""
+    g = torch.Generator().manual_seed(2)
+    n_head, n_kv, hd, length = 14, 2, 64, 300
+    pool = KVPool(1, num_blocks=24, block_size=16, n_kv_heads=n_kv, head_dim=hd, dtype=torch.float16)
+    table = list(range(24))[::-1]
+    pool.write(0, block_slots(table, length, 16), torch.randn(length, n_kv, hd, generator=g),
+               torch.randn(length, n_kv, hd, generator=g))
+    q = torch.randn(length, n_head, hd, generator=g)
+
+    def attend(start, num):
+        return paged_attention(q[start:start + num], pool, 0, AttnBatch.build([(table, start, num, True)], 16, "cpu"),
+                               0.125)
+
+    for p in range(250, 290, 3):
+        alone = attend(p, 1)
+        for k in (1, 2, 5, 10):
+            assert torch.equal(attend(p, 1 + k)[:1], alone), (p, k)
 
 
 def test_norm_rope_on_pairs_is_neox_rope_on_permuted_dims():
@@ -72,6 +96,66 @@ def test_norm_rope_on_pairs_is_neox_rope_on_permuted_dims():
     neox = Rope(hd, 10000.0, neox=True, device="cpu")(x[..., perm], pos)
     torch.testing.assert_close(norm[..., perm], neox)
     torch.testing.assert_close(Rope(hd, 10000.0, True, "cpu")(x, torch.zeros(5, dtype=torch.long)), x)
+
+
+def filled_pool(table, num_tokens, n_layer=2, n_kv=2, hd=4, dtype=torch.float16):
+    """A pool whose positions 0..num_tokens-1 (at ``table``) hold random K/V; (pool, slots)."""
+    g = torch.Generator().manual_seed(3)
+    pool = KVPool(n_layer, num_blocks=12, block_size=BS, n_kv_heads=n_kv, head_dim=hd, dtype=dtype)
+    slots = block_slots(table, num_tokens, BS)
+    for layer in range(n_layer):
+        pool.write(layer, slots, torch.randn(num_tokens, n_kv, hd, generator=g),
+                   torch.randn(num_tokens, n_kv, hd, generator=g))
+    return pool, slots
+
+
+def test_kv_bytes_round_trip_into_other_blocks():
+    src, src_slots = filled_pool([9, 2], 7)
+    payload = src.export_slots(src_slots)
+    # 32 header bytes, then 2 layers x (K, V) x 7 positions x 2 heads x 4 halves.
+    assert payload.nbytes == 32 + 2 * 2 * 7 * 2 * 4 * 2
+    assert KV_HEADER.unpack_from(payload) == (KV_MAGIC, 1, 1, 2, 2, 4, 7)
+    body = bytes(payload)[32:]
+    layer1_v = src.v[1].view(-1, 2, 4)[src_slots].numpy().tobytes()
+    assert body[3 * len(layer1_v):] == layer1_v  # layer 0 K, layer 0 V, layer 1 K, layer 1 V
+    # The first 6 positions, into a sequence whose blocks are 5 and 0.
+    dst = KVPool(2, num_blocks=12, block_size=BS, n_kv_heads=2, head_dim=4, dtype=torch.float16)
+    dst_slots = block_slots([5, 0], 6, BS)
+    assert dst_slots.tolist() == [20, 21, 22, 23, 0, 1]
+    assert dst.import_slots(dst_slots, bytearray(payload))
+    for layer in range(2):
+        for got, want in ((dst.k[layer], src.k[layer]), (dst.v[layer], src.v[layer])):
+            flat = got.view(-1, 2, 4)
+            assert torch.equal(flat[dst_slots], want.view(-1, 2, 4)[src_slots[:6]])
+            untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+            untouched[dst_slots] = False
+            assert not flat[untouched].any()
+    assert dst.import_slots(dst_slots, bytes(payload))  # a read-only buffer is read as well
+
+
+@pytest.mark.parametrize("other", ["magic", "version", "dtype", "layers", "heads", "head_dim", "short", "truncated"])
+def test_kv_bytes_of_another_layout_are_refused_and_nothing_is_written(other):
+    pool, slots = filled_pool([1, 2], 6)
+    payload = bytearray(pool.export_slots(slots))
+    fields = list(KV_HEADER.unpack_from(payload))
+    if other == "dtype":
+        payload = bytearray(filled_pool([1, 2], 6, dtype=torch.float32)[0].export_slots(slots))
+    elif other == "layers":
+        payload = bytearray(filled_pool([1, 2], 6, n_layer=3)[0].export_slots(slots))
+    elif other == "heads":
+        payload = bytearray(filled_pool([1, 2], 6, n_kv=1, hd=8)[0].export_slots(slots))
+    elif other == "head_dim":
+        payload = bytearray(filled_pool([1, 2], 6, n_kv=4, hd=2)[0].export_slots(slots))
+    elif other == "truncated":
+        payload = payload[:-2]
+    elif other != "short":
+        fields[{"magic": 0, "version": 1}[other]] = b"LLMKVPFX" if other == "magic" else 2
+        KV_HEADER.pack_into(payload, 0, *fields)
+    dst = KVPool(2, num_blocks=12, block_size=BS, n_kv_heads=2, head_dim=4, dtype=torch.float16)
+    want = 7 if other == "short" else 6  # asks for more positions than the bytes hold
+    assert not dst.import_slots(block_slots([3, 4], want, BS), payload)
+    assert not any(t.any() for t in dst.k + dst.v)
+    assert not dst.import_slots(block_slots([3], 2, BS), b"LLMTORKV")  # shorter than a header
 
 
 # -- the native kernel (native/attention.c) against the reference --------------------------
@@ -103,7 +187,7 @@ def scattered_batch(g, dtype, n_kv, hd, lengths, new, block_size=16, num_blocks=
     pool = KVPool(1, num_blocks, block_size, n_kv, hd, dtype=dtype)
     pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
     pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
-    return pool, [(t, n - m, m) for t, n, m in zip(tables, lengths, new)]
+    return pool, [(t, n - m, m, m == 1) for t, n, m in zip(tables, lengths, new)]
 
 
 @pytest.mark.skipif(not native.available(), reason="localllm._native was not built here")
@@ -137,3 +221,27 @@ def test_batch_attend_uses_the_native_kernel_when_asked():
     assert (q_start, q_len, ctx_len, table_start) == ([0, 1], [1, 5], [70, 5], [0, 5])
     assert tables == seqs[0][0] + seqs[1][0]
     torch.testing.assert_close(fast.attend(q, pool, 0, 0.125), ref.attend(q, pool, 0, 0.125), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not native.available(), reason="localllm._native was not built here")
+def test_native_decode_row_equals_its_row_in_a_verify_step():
+    """As the reference's: bit for bit, a decoded query alone and as the first row of a verify
+    step, whatever the number of drafts or the threads (greedy output does not change with
+    drafting on)."""
+    g = torch.Generator().manual_seed(5)
+    n_head, n_kv, hd, length = 14, 2, 64, 300
+    pool = KVPool(1, num_blocks=24, block_size=16, n_kv_heads=n_kv, head_dim=hd, dtype=torch.float16)
+    table = list(range(24))[::-1]
+    pool.write(0, block_slots(table, length, 16), torch.randn(length, n_kv, hd, generator=g),
+               torch.randn(length, n_kv, hd, generator=g))
+    q = torch.randn(length, n_head, hd, generator=g)
+
+    def attend(start, num, threads):
+        batch = AttnBatch.build([(table, start, num, True)], 16, "cpu", native=True)
+        return native.paged_attention(q[start:start + num], pool.k[0], pool.v[0], batch.native_meta, 0.125, 0,
+                                      threads)
+
+    for p in range(250, 290, 3):
+        alone = attend(p, 1, 1)
+        for k, threads in ((1, 1), (2, 2), (5, 1), (10, 3)):
+            assert torch.equal(attend(p, 1 + k, threads)[:1], alone), (p, k)

@@ -74,7 +74,7 @@ def test_reference_attention_runs_on_cuda_like_on_the_cpu():
     k = torch.randn(pools["cpu"].k[0].shape, generator=g)
     v = torch.randn(pools["cpu"].v[0].shape, generator=g)
     q = torch.randn(6, 14, 64, generator=g)
-    seqs = [([3, 7, 1, 9], 50, 1), ([0, 2], 20, 5)]
+    seqs = [([3, 7, 1, 9], 50, 1, True), ([0, 2], 20, 5, False)]
     outs = {}
     for dev, pool in pools.items():
         pool.k[0].copy_(k)

@@ -7,6 +7,13 @@ block ``block_table[p // block_size]``, row ``p % block_size``: viewed flat, at 
 block ids, so nothing is copied, and nothing is ever dropped from the pool by a window:
 rolling back drafts or reusing a prefix of a sliding-window model is exact.
 
+For the on-disk prefix cache the pool writes the K/V of a list of slots as flat bytes and
+reads them back (``export_slots`` / ``import_slots``): a header ``KV_HEADER`` (magic,
+version, dtype code, n_layer, n_kv_heads, head_dim, num_tokens; little-endian u32s), then per
+layer K then V, each ``(num_tokens, n_kv_heads, head_dim)`` in the pool's dtype, positions in
+order. Worked example: 2 layers, 2 KV heads of 4, f16, 3 positions: 32 header bytes, then
+4 arrays of 3 * 2 * 4 halves (48 bytes each), 224 bytes in all.
+
 A step's batch is flattened: the new tokens of every scheduled sequence one after another
 (no padding). ``AttnBatch`` says where each sequence's queries start, how many there are,
 how long its context is, and the slots of its whole context.
@@ -18,15 +25,28 @@ the pure-torch reference ``paged_attention`` otherwise; the tests hold the two t
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
+
+KV_HEADER = struct.Struct("<8s6I")  # magic, version, dtype code, n_layer, n_kv_heads, head_dim, num_tokens
+KV_MAGIC = b"LLMTORKV"
+KV_VERSION = 1
+KV_DTYPE_CODES = {torch.float16: 1, torch.float32: 2, torch.bfloat16: 3}
+
+
+def block_slots(block_table: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
+    """(num_tokens,) the slots of positions 0..num_tokens-1 of a sequence with this block table."""
+    blocks = torch.tensor(block_table[:-(-num_tokens // block_size)], dtype=torch.long)
+    return (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:num_tokens]
 
 
 class KVPool:
     def __init__(self, n_layer: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float16, device: str | torch.device = "cpu"):
         self.block_size = block_size
+        self.dtype = dtype
         shape = (num_blocks, block_size, n_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
@@ -42,6 +62,49 @@ class KVPool:
         self.k[layer].view(-1, n_kv, hd).index_copy_(0, slots, k.to(self.k[layer].dtype))
         self.v[layer].view(-1, n_kv, hd).index_copy_(0, slots, v.to(self.v[layer].dtype))
 
+    def _header(self, num_tokens: int) -> tuple:
+        _, _, n_kv, hd = self.k[0].shape
+        return KV_MAGIC, KV_VERSION, KV_DTYPE_CODES[self.dtype], len(self.k), n_kv, hd, num_tokens
+
+    def export_slots(self, slots: torch.Tensor) -> memoryview:
+        """The K/V at ``slots`` (N,) as bytes in the layout above (on the CPU; one gather per
+        layer and per K/V, written straight into the returned buffer on a CPU pool)."""
+        n_layer, (_, _, n_kv, hd), n = len(self.k), self.k[0].shape, len(slots)
+        slots = slots.to(self.k[0].device)
+        buf = torch.empty(KV_HEADER.size + 2 * n_layer * n * n_kv * hd * self.k[0].element_size(), dtype=torch.uint8)
+        buf[:KV_HEADER.size] = torch.frombuffer(bytearray(KV_HEADER.pack(*self._header(n))), dtype=torch.uint8)
+        kv = buf[KV_HEADER.size:].view(self.dtype).view(n_layer, 2, n, n_kv, hd)
+        for layer in range(n_layer):
+            for i, pool in enumerate((self.k[layer], self.v[layer])):
+                flat = pool.view(-1, n_kv, hd)
+                if flat.device.type == "cpu":
+                    torch.index_select(flat, 0, slots, out=kv[layer, i])
+                else:
+                    kv[layer, i].copy_(flat.index_select(0, slots))
+        return memoryview(buf.numpy())
+
+    def import_slots(self, slots: torch.Tensor, payload) -> bool:
+        """Write the first N positions of ``export_slots`` bytes at ``slots`` (N,). False, and
+        nothing written, when the bytes are not of this pool's layout (magic, version, dtype,
+        layers, heads) or hold fewer than N positions."""
+        view = memoryview(payload).cast("B")
+        if view.nbytes < KV_HEADER.size:
+            return False
+        header = KV_HEADER.unpack_from(view)
+        n_layer, (_, _, n_kv, hd), n = len(self.k), self.k[0].shape, header[-1]
+        size = KV_HEADER.size + 2 * n_layer * n * n_kv * hd * self.k[0].element_size()
+        if header[:-1] != self._header(n)[:-1] or n < len(slots) or view.nbytes != size:
+            return False
+        if view.readonly:  # torch.frombuffer wants a writable buffer, though it only reads it here
+            view = memoryview(bytearray(view))
+        data = torch.frombuffer(view, dtype=torch.uint8)
+        kv = data[KV_HEADER.size:].view(self.dtype).view(n_layer, 2, n, n_kv, hd)[:, :, :len(slots)]
+        slots = slots.to(self.k[0].device)
+        for layer in range(n_layer):
+            for i, pool in enumerate((self.k[layer], self.v[layer])):
+                pool.view(-1, n_kv, hd).index_copy_(0, slots, kv[layer, i].to(pool.device))
+        return True
+
 
 @dataclass
 class SeqSpan:
@@ -51,6 +114,7 @@ class SeqSpan:
     q_len: int  # its new tokens this step
     ctx_len: int  # positions with KV after this step (its queries are the last q_len of them)
     ctx_slots: torch.Tensor  # (ctx_len,) the slots of positions 0..ctx_len-1
+    exact: bool  # decoded (or drafted) positions: attention in float64, see paged_attention
 
 
 @dataclass
@@ -63,19 +127,18 @@ class AttnBatch:
     native_meta: tuple[torch.Tensor, ...] | None = None
 
     @classmethod
-    def build(cls, seqs: list[tuple[list[int], int, int]], block_size: int, device,
+    def build(cls, seqs: list[tuple[list[int], int, int, bool]], block_size: int, device,
               native: bool = False) -> AttnBatch:
-        """seqs: (block_table, first new position, number of new tokens) per sequence;
-        native: attend with the native kernel (only for a pool on the CPU)."""
+        """seqs: (block_table, first new position, number of new tokens, exact) per sequence;
+        native: attend with the native kernel (only for a pool on the CPU; it computes each
+        query alike whatever the batch, so ``exact`` asks nothing more of it)."""
         spans, new_slots, row = [], [], 0
         tables, meta = [], []
-        for table, start, num in seqs:
+        for table, start, num, exact in seqs:
             ctx_len = start + num
             used = table[:-(-ctx_len // block_size)]
-            blocks = torch.tensor(used, dtype=torch.long)
-            slots = (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:ctx_len]
-            slots = slots.to(device)
-            spans.append(SeqSpan(row, num, ctx_len, slots))
+            slots = block_slots(table, ctx_len, block_size).to(device)
+            spans.append(SeqSpan(row, num, ctx_len, slots, exact))
             new_slots.append(slots[start:])
             meta.append((row, num, ctx_len, len(tables)))
             tables += used
@@ -107,25 +170,32 @@ def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, n_swa: int) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, batch: AttnBatch, scale: float,
                     n_swa: int = 0) -> torch.Tensor:
-    """The reference: per sequence, gather its context's K/V through its slots and attend.
-    q: (N, n_head, hd) -> (N, n_head, hd), in q's dtype."""
+    """The reference: per sequence, gather its context's K/V through its slots and attend, all
+    query heads that share a KV head in one matmul. q: (N, n_head, hd) -> (N, n_head, hd), in
+    q's dtype.
+
+    Exact spans (decoding, and checking drafts) are computed in float64. The CPU's float32
+    matmuls sum in an order that depends on the matrices' shapes, so a position decoded alone
+    and the same position checked among drafts would differ in their last bits, and the
+    bfloat16 activations downstream can turn that into another greedy token; in float64 both
+    round to the same float32, so drafting never changes greedy output."""
     out = torch.empty_like(q)
-    n_kv, hd = pool.k[layer].shape[2], pool.k[layer].shape[3]
+    _, _, n_kv, hd = pool.k[layer].shape
     k_flat = pool.k[layer].view(-1, n_kv, hd)
     v_flat = pool.v[layer].view(-1, n_kv, hd)
     group = q.shape[1] // n_kv
     for span in batch.spans:
-        qs = q[span.q_start:span.q_start + span.q_len]  # (q, H, hd)
-        k = k_flat.index_select(0, span.ctx_slots).to(q.dtype)  # (L, n_kv, hd)
-        v = v_flat.index_select(0, span.ctx_slots).to(q.dtype)
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        q_pos = torch.arange(span.ctx_len - span.q_len, span.ctx_len, device=q.device)
+        n, dt = span.q_len, torch.float64 if span.exact else q.dtype
+        qs = q[span.q_start:span.q_start + n].to(dt).view(n, n_kv, group, hd)
+        qs = qs.permute(1, 2, 0, 3).reshape(n_kv, group * n, hd)  # (n_kv, g*q, hd), head = kv*g + g'
+        k = k_flat.index_select(0, span.ctx_slots).to(dt).permute(1, 2, 0)  # (n_kv, hd, L)
+        v = v_flat.index_select(0, span.ctx_slots).to(dt).transpose(0, 1)  # (n_kv, L, hd)
+        q_pos = torch.arange(span.ctx_len - n, span.ctx_len, device=q.device)
         k_pos = torch.arange(span.ctx_len, device=q.device)
         mask = _mask(q_pos, k_pos, n_swa)  # (q, L)
-        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        scores = torch.matmul(qs, k).view(n_kv, group, n, span.ctx_len) * scale
         scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out[span.q_start:span.q_start + span.q_len] = torch.einsum("hqk,khd->qhd", probs, v)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(dt, torch.float32)).to(dt)
+        o = torch.matmul(probs.view(n_kv, group * n, span.ctx_len), v)  # (n_kv, g*q, hd)
+        out[span.q_start:span.q_start + n] = o.view(n_kv, group, n, hd).permute(2, 0, 1, 3).reshape(n, -1, hd)
     return out

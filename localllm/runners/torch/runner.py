@@ -3,7 +3,8 @@
 The pool's blocks are the BlockManager's blocks, one for one, so keeping the storage in step
 is bookkeeping only: a shared prefix is the same block ids (attach takes every hit block),
 a released or evicted block keeps its bytes until the BlockManager hands it out again (and
-a later write overwrites it), a truncation just moves the sequence's length back.
+a later write overwrites it), a truncation just moves the sequence's length back. The
+prefix store's payload is the K/V of a sequence's positions as KVPool.export_slots writes it.
 
 Tokenization and grammars use llama.cpp's vocabulary of the same file (VocabFile: no
 weights loaded), so both runners see the same token ids.
@@ -21,7 +22,7 @@ from localllm.engine.request import Sequence
 from localllm.engine.scheduler import SchedulerOutput
 from localllm.errors import EngineError, ModelLoadError
 from localllm.runners.torch import models
-from localllm.runners.torch.attention import AttnBatch, KVPool
+from localllm.runners.torch.attention import AttnBatch, KVPool, block_slots
 from localllm.runners.torch.layers import LayerSource
 from localllm.runners.torch.weight_cache import WeightCache
 from localllm.runners.torch.weights import GGUFWeights
@@ -124,7 +125,7 @@ class TorchRunner:
                                   f"positions, not {start + k}")
             tokens += ids
             positions += range(start, start + k)
-            spans.append((seq.block_table, start, k))
+            spans.append((seq.block_table, start, k, start >= seq.num_prompt_tokens))
             if sched.needs_logits:
                 rows += range(n + k - sched.num_logits, n + k)
             self._lengths[seq.seq_id] = start + k
@@ -164,6 +165,28 @@ class TorchRunner:
 
     def evict(self, block_id: int) -> None:
         pass
+
+    # -- the on-disk prefix cache -------------------------------------------------------
+
+    def export_kv(self, seq: Sequence, num_tokens: int) -> memoryview | None:
+        """The KV of seq's first ``num_tokens`` positions (KVPool.export_slots bytes), when the
+        runner holds exactly those for it; else None."""
+        if num_tokens <= 0 or self._lengths.get(seq.seq_id) != num_tokens:
+            return None
+        return self.pool.export_slots(block_slots(seq.block_table, num_tokens, self.block_size))
+
+    def import_kv(self, seq: Sequence, payload, num_tokens: int) -> str:
+        """Write the first ``num_tokens`` positions of ``export_kv`` bytes into seq's attached,
+        empty blocks: "ok", or "refused" (nothing loaded) when the bytes are of another layout
+        or too short. Never "inexact": nothing slides out of the pool."""
+        if len(seq.block_table) * self.block_size < num_tokens:
+            return "refused"
+        if not self.pool.import_slots(block_slots(seq.block_table, num_tokens, self.block_size), payload):
+            return "refused"
+        self._lengths[seq.seq_id] = num_tokens
+        return "ok"
+
+    # -- inspection ---------------------------------------------------------------------
 
     def seq_pos_range(self, seq_id: int) -> tuple[int, int] | None:
         n = self._lengths.get(seq_id)
