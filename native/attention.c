@@ -28,7 +28,7 @@
 #endif
 
 #define TILE_ROWS 4
-#define MIN_WORK_PER_THREAD 16384 /* query-head x key dot products before a second thread pays */
+#define MIN_WORK_PER_THREAD 4096 /* query-head x key dot products before a second thread pays */
 
 static inline float half_to_float(uint16_t h) {
 #ifdef __FLT16_MAX__

@@ -15,7 +15,9 @@
 
 #include "localllm_native.h"
 
-#define SPIN_NS 50000 /* how long an idle worker spins before it sleeps */
+static int64_t spin_ns = 50000; /* how long an idle worker spins before it sleeps */
+
+void lm_pool_set_spin(int64_t ns) { spin_ns = ns < 0 ? 0 : ns; }
 
 static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER; /* one call at a time */
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -51,7 +53,7 @@ static void *worker(void *p) {
     for (;;) {
         int g = __atomic_load_n(&generation, __ATOMIC_ACQUIRE);
         if (g == seen) {
-            const int64_t until = now_ns() + SPIN_NS;
+            const int64_t until = now_ns() + spin_ns;
             int spins = 0;
             while ((g = __atomic_load_n(&generation, __ATOMIC_ACQUIRE)) == seen) {
                 cpu_relax();
@@ -78,10 +80,41 @@ static void after_fork_in_child(void) {
     pthread_cond_init(&cv, NULL);
 }
 
+/* Where torch runs on OpenMP, its threads do the work instead (lm_pool_use_openmp): torch's
+ * own workers spin for a while after each of its operations, so a second set of threads would
+ * find the cores taken and run at a fraction of their speed. */
+typedef void (*gomp_parallel_fn)(void (*body)(void *), void *data, unsigned num_threads, unsigned flags);
+typedef int (*omp_int_fn)(void);
+static gomp_parallel_fn gomp_parallel;
+static omp_int_fn omp_thread_num, omp_num_threads;
+
+void lm_pool_use_openmp(void *parallel, void *thread_num, void *num_threads) {
+    gomp_parallel = (gomp_parallel_fn)parallel;
+    omp_thread_num = (omp_int_fn)thread_num;
+    omp_num_threads = (omp_int_fn)num_threads;
+}
+
+typedef struct {
+    lm_task_fn fn;
+    void *arg;
+    int parts;
+} omp_call_t;
+
+static void omp_body(void *p) {
+    const omp_call_t *c = (const omp_call_t *)p;
+    const int n = omp_num_threads();
+    for (int part = omp_thread_num(); part < c->parts; part += n) c->fn(c->arg, part, c->parts);
+}
+
 void lm_pool_run(lm_task_fn fn, void *arg, int n) {
     if (n > LM_MAX_THREADS) n = LM_MAX_THREADS;
     if (n <= 1) {
         fn(arg, 0, 1);
+        return;
+    }
+    if (gomp_parallel != NULL) {
+        omp_call_t c = {fn, arg, n};
+        gomp_parallel(omp_body, &c, (unsigned)n, 0);
         return;
     }
     pthread_mutex_lock(&call_mu);

@@ -42,7 +42,34 @@ def library() -> ctypes.CDLL | None:
     lib.lm_qmatmul.argtypes = [vp, ci, ci, vp, ci, ci, vp, ci, ci]
     lib.lm_dequantize.restype = ci
     lib.lm_dequantize.argtypes = [vp, ci, ci, ci, vp]
+    lib.lm_pool_set_spin.restype = None
+    lib.lm_pool_set_spin.argtypes = [ctypes.c_int64]
+    lib.lm_pool_use_openmp.restype = None
+    lib.lm_pool_use_openmp.argtypes = [vp, vp, vp]
+    _share_torchs_threads(lib)
     return lib
+
+
+def _share_torchs_threads(lib: ctypes.CDLL) -> None:
+    """Run the kernels' parallel parts on torch's own OpenMP threads where torch has them (its
+    workers spin after each operation, so threads of our own would find the cores taken);
+    otherwise the kernels keep their own pool (native/pool.c)."""
+    import re
+
+    try:
+        with open("/proc/self/maps") as maps:
+            loaded = set(re.findall(r"(/\S*lib(?:g|i)?omp[^/\s]*\.so[.\d]*)$", maps.read(), re.M))
+    except OSError:
+        return
+    for path in sorted(loaded):
+        try:
+            omp = ctypes.CDLL(path)
+            funcs = [ctypes.cast(getattr(omp, name), ctypes.c_void_p).value
+                     for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")]
+        except (OSError, AttributeError):
+            continue
+        lib.lm_pool_use_openmp(*funcs)
+        return
 
 
 def available() -> bool:
@@ -96,3 +123,8 @@ def dequantize(blocks: torch.Tensor, kind: str, k: int) -> torch.Tensor:
     if rc:
         raise RuntimeError(f"native dequantize failed: {_ERRORS.get(rc, rc)}")
     return out
+
+
+def set_spin(microseconds: float) -> None:
+    """How long the kernels' idle worker threads spin before sleeping (default 50 µs)."""
+    library().lm_pool_set_spin(int(microseconds * 1000))
