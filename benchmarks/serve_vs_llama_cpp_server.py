@@ -2,7 +2,7 @@
 `--interrupt_requests False`), same file, threads and context, driven by the same
 `localllm bench --url` scenario, alternating (A B A B ...).
 
-    python benchmarks/serve_vs_llama_cpp_server.py [--rounds 3] [--concurrency 4]
+    python benchmarks/serve_vs_llama_cpp_server.py [--rounds 3] [--concurrency 4] [--runner torch]
 
 Needs llama-cpp-python's `server` extra: pip install 'llama-cpp-python[server]'.
 """
@@ -47,11 +47,12 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runner", default="auto", help="localllm serve's --runner")
     args = parser.parse_args()
     path = str(model_path())
     ours_port, theirs_port = free_port(), free_port()
     ours = start([sys.executable, "-m", "localllm.cli", "serve", "--model", path, "--port", str(ours_port),
-                  "--threads", str(args.threads), "--ctx", "4096"], ours_port)
+                  "--threads", str(args.threads), "--ctx", "4096", "--runner", args.runner], ours_port)
     theirs = start([sys.executable, "-m", "llama_cpp.server", "--model", path, "--port", str(theirs_port),
                     "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "4096",
                     "--interrupt_requests", "False"], theirs_port)
@@ -76,7 +77,7 @@ def main() -> None:
                   f"(TTFT p50 {x['ttft_p50_s'] * 1000:5.0f} ms, TPOT p50 {x['tpot_p50_s'] * 1000:5.1f} ms) | "
                   f"llama_cpp.server {y['output_tokens_per_s']:6.1f} tok/s "
                   f"(TTFT p50 {y['ttft_p50_s'] * 1000:5.0f} ms, TPOT p50 {y['tpot_p50_s'] * 1000:5.1f} ms)", flush=True)
-        print(f"\n{machine()}, {args.threads} threads, {args.concurrency} streaming clients, "
+        print(f"\n{machine()}, {args.threads} threads, {args.concurrency} streaming clients, runner {args.runner}, "
               f"{args.prompt_tokens}-word prompts, {args.max_tokens} tokens")
         print(f"median aggregate output: localllm serve {median(a):.1f} tok/s, llama_cpp.server {median(b):.1f} "
               f"tok/s, ratio {median(a) / median(b):.2f}")
