@@ -93,9 +93,15 @@ def bench(config: EngineConfig, concurrencies: list[int], prompt_tokens: int, ma
 
 
 async def _stream_one(client, url: str, model: str, prompt: str, max_tokens: int, headers: dict) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    """One streamed completion: when each chunk with text arrived, and how many tokens came.
+    A chunk can carry several tokens (a step that accepted drafts), so the count is the
+    server's own ``usage`` (asked for with stream_options) where it gives one, and the number
+    of chunks otherwise."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     times: list[float] = []
+    usage_tokens = None
     async with client.stream("POST", f"{url}/completions", json=body, headers=headers) as resp:
         if resp.status_code != 200:
             text = (await resp.aread()).decode("utf-8", "replace")[:300]
@@ -107,11 +113,14 @@ async def _stream_one(client, url: str, model: str, prompt: str, max_tokens: int
             choices = data.get("choices") or []
             if choices and choices[0].get("text"):
                 times.append(time.perf_counter())
-    n = len(times)
+            usage = data.get("usage")
+            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                usage_tokens = usage["completion_tokens"]
+    n = usage_tokens if usage_tokens is not None and times else len(times)
     return {
         "tokens": n,
         "ttft": times[0] - t0 if times else None,
-        "tpot": (times[-1] - times[0]) / (n - 1) if n > 1 else None,
+        "tpot": (times[-1] - times[0]) / (n - 1) if n > 1 and len(times) > 1 else None,
         "times": times,
     }
 
@@ -150,7 +159,9 @@ def bench_url(url: str, model: str | None, concurrencies: list[int], prompt_toke
                 # Decode throughput: tokens arriving while every stream has started and none has ended.
                 start = max(r["times"][0] for r in runs if r["times"])
                 end = min(r["times"][-1] for r in runs if r["times"])
-                in_window = sum(1 for r in runs for t in r["times"] if start < t <= end)
+                # Each chunk counted as its run's tokens per chunk (several where drafts were accepted).
+                in_window = sum(r["tokens"] / len(r["times"]) for r in runs if r["times"]
+                                for t in r["times"] if start < t <= end)
                 generated = sum(r["tokens"] for r in runs)
                 ttfts = [r["ttft"] for r in runs if r["ttft"] is not None]
                 tpots = [r["tpot"] for r in runs if r["tpot"] is not None]

@@ -18,3 +18,46 @@ def test_report_line_ends_with_the_drafts(capsys):
     head = ("concurrency   4:   120.4 output tok/s,   150.0 decode tok/s | TTFT p50     100 ms p95     200 ms | "
             "TPOT p50   20.0 ms p95   30.0 ms")
     assert capsys.readouterr().out == f"{head} | draft 30/40 (75%)\n{head}\n"
+
+
+def _sse(*events: dict) -> bytes:
+    import json
+
+    return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
+
+
+def _stream(body: bytes) -> dict:
+    import asyncio
+
+    import httpx
+
+    from localllm.commands.bench import _stream_one
+
+    seen = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        import json
+
+        seen.update(json.loads(request.content))
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await _stream_one(client, "http://x/v1", "m", "hi", 8, {})
+
+    result = asyncio.run(main())
+    assert seen["stream_options"] == {"include_usage": True}
+    return result
+
+
+def test_a_url_stream_counts_the_servers_tokens_not_its_chunks():
+    """A chunk holds several tokens where a step accepted drafts: the server's usage counts them."""
+    chunk = {"choices": [{"text": " two tokens"}]}
+    result = _stream(_sse(chunk, chunk, chunk, {"choices": [], "usage": {"completion_tokens": 6}}))
+    assert result["tokens"] == 6 and len(result["times"]) == 3
+    assert result["tpot"] == (result["times"][-1] - result["times"][0]) / 5
+
+
+def test_a_url_stream_without_usage_counts_chunks():
+    chunk = {"choices": [{"text": "x"}]}
+    assert _stream(_sse(chunk, chunk, {"choices": [{"text": ""}]}))["tokens"] == 2
