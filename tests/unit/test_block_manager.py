@@ -7,8 +7,6 @@ throughout, so block i of a sequence holds positions 4i..4i+3.
 
 from __future__ import annotations
 
-import pytest
-
 from localllm.engine.block_manager import BlockManager
 from localllm.engine.request import SamplingParams, Sequence
 
