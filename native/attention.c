@@ -30,30 +30,6 @@
 #define TILE_ROWS 4
 #define MIN_WORK_PER_THREAD 4096 /* query-head x key dot products before a second thread pays */
 
-static inline float half_to_float(uint16_t h) {
-#ifdef __FLT16_MAX__
-    _Float16 f;
-    memcpy(&f, &h, 2);
-    return (float)f;
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else { /* subnormal: normalize */
-        exp = 113;
-        while (!(man & 0x400)) { man <<= 1; exp--; }
-        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
 /* n float16 values to float32: eight at a time with the F16C instruction where the CPU has it
  * (compilers do not vectorize the scalar conversion without AVX512-FP16). */
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -62,7 +38,7 @@ static inline float half_to_float(uint16_t h) {
 __attribute__((target("avx,f16c"))) static void halves_f16c(const uint16_t *src, float *dst, int n) {
     int t = 0;
     for (; t + 8 <= n; t += 8) _mm256_storeu_ps(dst + t, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + t))));
-    for (; t < n; t++) dst[t] = half_to_float(src[t]);
+    for (; t < n; t++) dst[t] = lm_half_to_float(src[t]);
 }
 #endif
 
@@ -75,7 +51,7 @@ static void halves_to_floats(const uint16_t *src, float *dst, int n) {
         return;
     }
 #endif
-    for (int t = 0; t < n; t++) dst[t] = half_to_float(src[t]);
+    for (int t = 0; t < n; t++) dst[t] = lm_half_to_float(src[t]);
 }
 
 /* exp(x) for x <= 0 (Cephes' single-precision polynomial, within 2 ulp); x below -87 gives

@@ -4,6 +4,32 @@
 #define LOCALLLM_NATIVE_H
 
 #include <stdint.h>
+#include <string.h>
+
+/* A float16 (its bits) as a float32: the compiler's _Float16 where it has one. */
+static inline float lm_half_to_float(uint16_t h) {
+#ifdef __FLT16_MAX__
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
 
 #define LM_OK 0
 #define LM_EINVAL 1

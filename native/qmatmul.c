@@ -23,27 +23,6 @@ typedef struct {
     int8_t q[QK];
 } qblock_t;
 
-static inline float f16_to_f32(uint16_t h) {
-#ifdef __FLT16_MAX__
-    _Float16 f;
-    memcpy(&f, &h, 2);
-    return (float)f;
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13);
-    else if (exp != 0) bits = sign | ((exp + 112) << 23) | (man << 13);
-    else if (man == 0) bits = sign;
-    else {
-        exp = 113;
-        while (!(man & 0x400)) { man <<= 1; exp--; }
-        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
 static inline float round_to_f16(float x) {
 #ifdef __FLT16_MAX__
     return (float)(_Float16)x;
@@ -82,7 +61,7 @@ static inline float unpack_block(int wtype, const uint8_t *b, int8_t *w) {
             w[j + 16] = (int8_t)(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
         }
     }
-    return f16_to_f32(d);
+    return lm_half_to_float(d);
 }
 
 /* ---- x86-64: AVX2, and AVX-512 VNNI where the CPU has it ------------------------------- */

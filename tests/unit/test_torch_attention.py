@@ -66,16 +66,23 @@ def test_batch_slots_follow_the_block_tables():
     assert [(s.q_start, s.q_len, s.ctx_len, s.exact) for s in batch.spans] == [(0, 2, 7, True), (2, 3, 3, False)]
 
 
-def test_an_exact_position_decoded_alone_equals_it_checked_among_drafts():
-    """Bit for bit: the float32 result of a decode step's query equals that of the same query
-    as the first row of a verify step (1 + k rows, the drafts' keys masked), whatever k."""
-    g = torch.Generator().manual_seed(2)
+def decoding_pool(seed: int):
+    """A float16 pool holding 300 positions of a 14-head, 2-KV-head sequence (blocks in reverse
+    order), its block table, and a query for every position."""
+    g = torch.Generator().manual_seed(seed)
     n_head, n_kv, hd, length = 14, 2, 64, 300
     pool = KVPool(1, num_blocks=24, block_size=16, n_kv_heads=n_kv, head_dim=hd, dtype=torch.float16)
     table = list(range(24))[::-1]
     pool.write(0, block_slots(table, length, 16), torch.randn(length, n_kv, hd, generator=g),
                torch.randn(length, n_kv, hd, generator=g))
     q = torch.randn(length, n_head, hd, generator=g)
+    return pool, table, q
+
+
+def test_an_exact_position_decoded_alone_equals_it_checked_among_drafts():
+    """Bit for bit: the float32 result of a decode step's query equals that of the same query
+    as the first row of a verify step (1 + k rows, the drafts' keys masked), whatever k."""
+    pool, table, q = decoding_pool(2)
 
     def attend(start, num):
         return paged_attention(q[start:start + num], pool, 0, AttnBatch.build([(table, start, num, True)], 16, "cpu"),
@@ -228,13 +235,7 @@ def test_native_decode_row_equals_its_row_in_a_verify_step():
     """As the reference's: bit for bit, a decoded query alone and as the first row of a verify
     step, whatever the number of drafts or the threads (greedy output does not change with
     drafting on)."""
-    g = torch.Generator().manual_seed(5)
-    n_head, n_kv, hd, length = 14, 2, 64, 300
-    pool = KVPool(1, num_blocks=24, block_size=16, n_kv_heads=n_kv, head_dim=hd, dtype=torch.float16)
-    table = list(range(24))[::-1]
-    pool.write(0, block_slots(table, length, 16), torch.randn(length, n_kv, hd, generator=g),
-               torch.randn(length, n_kv, hd, generator=g))
-    q = torch.randn(length, n_head, hd, generator=g)
+    pool, table, q = decoding_pool(5)
 
     def attend(start, num, threads):
         batch = AttnBatch.build([(table, start, num, True)], 16, "cpu", native=True)
