@@ -179,6 +179,7 @@ static void quantize_row(const float *x, int nb, qblock_t *q, float *d) {
 }
 
 typedef struct {
+    int level; /* 0 plain C, 1 AVX2, 2 AVX-512 VNNI */
     int wtype;
     const uint8_t *w;
     size_t row_bytes;
@@ -195,8 +196,8 @@ static void mm_part(void *p, int part, int parts) {
     const int n0 = part * per * 8, n1 = (part + 1) * per * 8 < J->N ? (part + 1) * per * 8 : J->N;
     if (n0 >= n1) return;
 #ifdef LM_X86
-    if (cpu_level == 2) { rows_vnni(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N); return; }
-    if (cpu_level == 1) { rows_avx2(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N); return; }
+    if (J->level == 2) { rows_vnni(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N); return; }
+    if (J->level == 1) { rows_avx2(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N); return; }
 #endif
     rows_scalar(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N);
 }
@@ -213,8 +214,10 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
                          __builtin_cpu_supports("avx512vnni");
         cpu_level = vnni ? 2 : avx2 ? 1 : 0;
     }
-    const int saved = cpu_level;
-    if (force_scalar) cpu_level = 0;
+    const int level = force_scalar ? 0 : cpu_level;
+#else
+    const int level = 0;
+    (void)force_scalar;
 #endif
     const int nb = K / QK;
     qblock_t *xq = malloc(sizeof(qblock_t) * (size_t)M * nb + 1);
@@ -225,13 +228,10 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
         return LM_ENOMEM;
     }
     for (int m = 0; m < M; m++) quantize_row(x + (size_t)m * K, nb, xq + (size_t)m * nb, xd + (size_t)m * nb);
-    mm_job_t J = {wtype, w, (size_t)nb * bb, N, nb, M, xq, xd, y};
+    mm_job_t J = {level, wtype, w, (size_t)nb * bb, N, nb, M, xq, xd, y};
     int parts = n_threads < 1 ? 1 : n_threads;
     if ((size_t)N * nb < 4096) parts = 1; /* too small to share out */
     lm_pool_run(mm_part, &J, parts);
-#ifdef LM_X86
-    cpu_level = saved;
-#endif
     free(xq);
     free(xd);
     return LM_OK;
