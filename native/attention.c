@@ -69,10 +69,8 @@ static inline float exp_nonpositive(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     float y = p * r * r + r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &e, 4);
-    return y * scale;
+    union { int32_t i; float f; } scale = {((int32_t)n + 127) << 23};
+    return y * scale.f;
 }
 
 typedef struct {
@@ -99,10 +97,12 @@ static void load_rows(const void *cache, int f16, size_t first, size_t stride, i
     }
 }
 
-LM_CLONES
-static void run_item(const job_t *J, const int32_t *item, float *scratch) {
+/* One work item; D is the head size, a constant in the specialized copies below (so the
+ * compiler keeps a query's accumulator in registers and unrolls its loops). */
+static inline __attribute__((always_inline)) void item_body(const job_t *J, const int32_t *item, float *scratch,
+                                                            const int D) {
     const int s = item[0], kvh = item[1], chunk = item[2], r0 = item[3], r1 = item[4];
-    const int D = J->head_dim, bs = J->block_size, group = J->n_head / J->n_kv;
+    const int bs = J->block_size, group = J->n_head / J->n_kv;
     const int per = (group + J->head_chunks - 1) / J->head_chunks;
     const int h0 = chunk * per, h1 = h0 + per < group ? h0 + per : group;
     const int nh = h1 - h0, nq = (r1 - r0) * nh;
@@ -156,10 +156,13 @@ static void run_item(const job_t *J, const int32_t *item, float *scratch) {
             }
             m[x] = mx;
             float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
             for (int j = 0; j < n; j++) {
-                const float e = exp_nonpositive(sc[j] - mx);
-                sc[j] = sc[j] == -INFINITY ? 0.0f : e;
-                sum += sc[j];
+                const float raw = sc[j];
+                const float e = exp_nonpositive(raw - mx);
+                const float p = raw == -INFINITY ? 0.0f : e;
+                sc[j] = p;
+                sum += p;
             }
             l[x] += sum;
             for (int j = 0; j < n; j++) {
@@ -176,6 +179,20 @@ static void run_item(const job_t *J, const int32_t *item, float *scratch) {
             const float inv = 1.0f / l[x];
             for (int t = 0; t < D; t++) dst[t] = acc[(size_t)x * D + t] * inv;
         }
+}
+
+LM_CLONES static void item_d64(const job_t *J, const int32_t *it, float *sc) { item_body(J, it, sc, 64); }
+LM_CLONES static void item_d128(const job_t *J, const int32_t *it, float *sc) { item_body(J, it, sc, 128); }
+LM_CLONES static void item_d256(const job_t *J, const int32_t *it, float *sc) { item_body(J, it, sc, 256); }
+LM_CLONES static void item_any(const job_t *J, const int32_t *it, float *sc) { item_body(J, it, sc, J->head_dim); }
+
+static void run_item(const job_t *J, const int32_t *item, float *scratch) {
+    switch (J->head_dim) {
+    case 64: item_d64(J, item, scratch); break;
+    case 128: item_d128(J, item, scratch); break;
+    case 256: item_d256(J, item, scratch); break;
+    default: item_any(J, item, scratch);
+    }
 }
 
 static size_t scratch_floats(const job_t *J) {
