@@ -25,8 +25,12 @@ PROMPTS = ["Hello world, the cat is in the hat!", "def f(x):\n    return 42", "a
 # Both runners keep K and V in float32 (llama.cpp then runs without flash attention, whose
 # CPU kernel sums V in float16). llama.cpp runs GELU through a float16 table, which the
 # torch runner imitates; a pre-activation one float32 ulp apart can still round to the other
-# float16 neighbour, so gemma3 is compared at 2e-3 (its logits spread about 2.3).
+# float16 neighbour, so gemma3 is compared at 2e-3 (its logits spread about 2.3). On CUDA the
+# torch runner's sums run in another order than llama.cpp's CPU ones, so more pre-activations
+# fall the other side of a float16 boundary: gemma3 measured 2.25-2.45e-3 on an H200, held
+# to 3e-3 there (qwen2 and llama keep 1e-4).
 TOLERANCE = {"qwen2": 1e-4, "llama": 1e-4, "gemma3": 2e-3}
+CUDA_TOLERANCE = {**TOLERANCE, "gemma3": 3e-3}
 
 
 def make_engine(path: Path, runner: str) -> LLMEngine:
@@ -72,7 +76,8 @@ def test_torch_runner_matches_llama_cpp(tiny_model, batched):
     (ref_tokens, ref_steps), (tokens, steps) = results["llamacpp"], results["torch"]
     assert len(steps) == len(ref_steps)
     worst = max(float(np.abs(a - b).max()) for a, b in zip(steps, ref_steps) if a.size)
-    assert worst <= TOLERANCE[arch], f"{arch}: logits differ by up to {worst:.2e}"
+    tolerance = (CUDA_TOLERANCE if torch.cuda.is_available() else TOLERANCE)[arch]
+    assert worst <= tolerance, f"{arch}: logits differ by up to {worst:.2e}"
     assert tokens == ref_tokens
     assert all(len(t) == 64 for t in tokens)
 
