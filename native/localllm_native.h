@@ -45,7 +45,6 @@ static inline float lm_half_to_float(uint16_t h) {
 
 typedef void (*lm_task_fn)(void *arg, int part, int parts);
 void lm_pool_run(lm_task_fn fn, void *arg, int parts);
-void lm_pool_set_spin(int64_t ns);
 void lm_pool_use_openmp(void *parallel, void *thread_num, void *num_threads);
 
 int lm_abi_version(void);

@@ -15,9 +15,7 @@
 
 #include "localllm_native.h"
 
-static int64_t spin_ns = 50000; /* how long an idle worker spins before it sleeps */
-
-void lm_pool_set_spin(int64_t ns) { spin_ns = ns < 0 ? 0 : ns; }
+#define SPIN_NS 50000 /* how long an idle worker spins before it sleeps */
 
 static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER; /* one call at a time */
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -53,7 +51,7 @@ static void *worker(void *p) {
     for (;;) {
         int g = __atomic_load_n(&generation, __ATOMIC_ACQUIRE);
         if (g == seen) {
-            const int64_t until = now_ns() + spin_ns;
+            const int64_t until = now_ns() + SPIN_NS;
             int spins = 0;
             while ((g = __atomic_load_n(&generation, __ATOMIC_ACQUIRE)) == seen) {
                 cpu_relax();

@@ -237,7 +237,8 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
     return LM_OK;
 }
 
-/* W's rows as float32 (for the calls with many rows of x, which go to a dense matmul). */
+/* W's rows as float32, unpacked as the matmul unpacks them (the tests compare this with the
+ * gguf package's dequantization). */
 int lm_dequantize(const uint8_t *w, int wtype, int N, int K, float *out) {
     const int bb = lm_block_bytes(wtype);
     if (bb == 0 || K % QK != 0) return LM_EINVAL;

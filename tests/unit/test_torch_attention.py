@@ -246,3 +246,12 @@ def test_native_decode_row_equals_its_row_in_a_verify_step():
         alone = attend(p, 1, 1)
         for k, threads in ((1, 1), (2, 2), (5, 1), (10, 3)):
             assert torch.equal(attend(p, 1 + k, threads)[:1], alone), (p, k)
+
+
+@pytest.mark.skipif(not native.available(), reason="localllm._native was not built here")
+def test_native_attention_refuses_a_pool_it_cannot_read():
+    g = torch.Generator().manual_seed(6)
+    pool, seqs = scattered_batch(g, torch.bfloat16, 2, 64, [20], [1])
+    batch = AttnBatch.build(seqs, 16, "cpu", native=True)
+    with pytest.raises(ValueError, match="float16 or float32"):
+        native.paged_attention(torch.randn(1, 14, 64), pool.k[0], pool.v[0], batch.native_meta, 0.125)

@@ -42,8 +42,6 @@ def library() -> ctypes.CDLL | None:
     lib.lm_qmatmul.argtypes = [vp, ci, ci, vp, ci, ci, vp, ci, ci]
     lib.lm_dequantize.restype = ci
     lib.lm_dequantize.argtypes = [vp, ci, ci, ci, vp]
-    lib.lm_pool_set_spin.restype = None
-    lib.lm_pool_set_spin.argtypes = [ctypes.c_int64]
     lib.lm_pool_use_openmp.restype = None
     lib.lm_pool_use_openmp.argtypes = [vp, vp, vp]
     _share_torchs_threads(lib)
@@ -81,6 +79,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """native/attention.c over one layer's pool: q (N, n_head, hd) float32 -> (N, n_head, hd).
     meta: the batch's int32 tensors (q_start, q_len, ctx_len, tables, table_start)."""
     lib = library()
+    if k_cache.dtype not in (torch.float16, torch.float32) or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"the native attention reads contiguous float16 or float32 pools, not {k_cache.dtype}")
     q = q.contiguous()
     out = torch.empty_like(q)
     q_start, q_len, ctx_len, tables, table_start = meta
@@ -116,7 +116,8 @@ def qmatmul(x: torch.Tensor, blocks: torch.Tensor, kind: str, n_threads: int | N
 
 
 def dequantize(blocks: torch.Tensor, kind: str, k: int) -> torch.Tensor:
-    """GGUF blocks (N, K / 32 * block bytes) -> the (N, K) float32 weights."""
+    """GGUF blocks (N, K / 32 * block bytes) -> the (N, K) float32 weights, as the matmul
+    unpacks them (the tests hold this to the gguf package's dequantization)."""
     n = blocks.shape[0]
     out = torch.empty(n, k, dtype=torch.float32)
     rc = library().lm_dequantize(blocks.contiguous().data_ptr(), BLOCK_TYPES[kind], n, k, out.data_ptr())
@@ -124,7 +125,3 @@ def dequantize(blocks: torch.Tensor, kind: str, k: int) -> torch.Tensor:
         raise RuntimeError(f"native dequantize failed: {_ERRORS.get(rc, rc)}")
     return out
 
-
-def set_spin(microseconds: float) -> None:
-    """How long the kernels' idle worker threads spin before sleeping (default 50 µs)."""
-    library().lm_pool_set_spin(int(microseconds * 1000))
