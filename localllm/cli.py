@@ -99,7 +99,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parallel", type=_positive_int, default=None, help="most sequences run at once (default 16)")
     p.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all that fit, 0: none)")
     _add_runner(p)
+    _add_kv_dtype(p)
     _add_no_spec(p)
+
+
+def _add_kv_dtype(p: argparse.ArgumentParser) -> None:
+    from localllm.config import KV_DTYPES
+
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="f16",
+                   help="how the KV cache stores keys and values: f16 (default), q8_0 (8-bit: "
+                        "about twice the tokens in the same memory) or f32")
 
 
 def _add_no_spec(p: argparse.ArgumentParser) -> None:
@@ -141,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--parallel", type=_positive_int, default=None, help="most sequences run at once (default 16)")
     serve.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all, 0: none)")
     _add_runner(serve)
+    _add_kv_dtype(serve)
     _add_no_spec(serve)
     _add_prefix_cache(serve)
 
@@ -163,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--threads", type=_nonneg_int, default=0, help="CPU threads (default: physical cores)")
     chat.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all, 0: none)")
     _add_runner(chat)
+    _add_kv_dtype(chat)
     _add_no_spec(chat)
     _add_prefix_cache(chat)
 
@@ -226,7 +237,7 @@ def _engine_config(args, model_path: Path | None = None):
             cache_kwargs["prefix_cache_size"] = size
     return EngineConfig(
         model_path=model_path if model_path is not None else _model_path(args.model),
-        cache=CacheConfig(n_ctx=args.ctx),
+        cache=CacheConfig(n_ctx=args.ctx, kv_dtype=args.kv_dtype),
         scheduler=SchedulerConfig(**sched_kwargs),
         n_threads=args.threads,
         n_gpu_layers=args.gpu_layers,

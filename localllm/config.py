@@ -10,7 +10,7 @@ from localllm.errors import UsageError
 
 MIN_CTX = 128
 RUNNERS = ("auto", "torch", "llamacpp")
-KV_DTYPES = ("f16", "f32")
+KV_DTYPES = ("f16", "q8_0", "f32")
 PREFIX_CACHE_SIZE = 2 * 1024**3  # bytes the on-disk prefix cache may take
 PREFIX_CACHE_MIN_TOKENS = 256  # a prompt is stored once it has this many tokens not yet stored
 
@@ -26,7 +26,9 @@ class CacheConfig:
     block_size: int = 16
     # Context (KV cells) the runner allocates; num_blocks = n_ctx // block_size.
     n_ctx: int = 4096
-    # What K and V are stored as: "f16" (llama.cpp's default, with its flash attention) or
+    # What K and V are stored as: "f16" (llama.cpp's default, with its flash attention);
+    # "q8_0": 8-bit, about half the bytes per token (llama.cpp: its Q8_0 blocks of 32 values
+    # with flash attention; the torch runner: int8 with a scale per token and head); or
     # "f32" (flash attention off: the exact reference the runners are compared in).
     kv_dtype: str = "f16"
 
