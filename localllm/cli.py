@@ -10,7 +10,8 @@ from pathlib import Path
 from localllm import __version__
 from localllm.errors import LocalLLMError, UsageError
 
-DEFAULT_CTX = 4096
+CTX_HELP = ("tokens of KV cache, shared by all conversations (default: what fits in free memory, "
+            "up to the model's trained context)")
 
 
 def _red(text: str) -> str:
@@ -91,7 +92,7 @@ def _add_runner(p: argparse.ArgumentParser) -> None:
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a .gguf path, an installed name (`localllm ls`) or a catalog alias you pulled")
-    p.add_argument("--ctx", type=_positive_int, default=DEFAULT_CTX, help="context size in tokens (KV cache)")
+    p.add_argument("--ctx", type=_positive_int, default=None, help=CTX_HELP)
     p.add_argument("--threads", type=_nonneg_int, default=0, help="CPU threads (default: physical cores)")
     p.add_argument("--batch-tokens", type=_positive_int, default=None,
                    help="step token budget: larger lowers a long prompt's TTFT, smaller keeps "
@@ -109,6 +110,9 @@ def _add_kv_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="f16",
                    help="how the KV cache stores keys and values: f16 (default), q8_0 (8-bit: "
                         "about twice the tokens in the same memory) or f32")
+    p.add_argument("--memory", type=_size, default=None, metavar="SIZE",
+                   help="memory the weights and KV cache may take, e.g. 6GiB (default: what is free "
+                        "in RAM, or in VRAM when the model runs on a GPU)")
 
 
 def _add_no_spec(p: argparse.ArgumentParser) -> None:
@@ -144,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cors-origin", action="append", default=[], help="allow browser calls from ORIGIN (repeatable)")
     serve.add_argument("--max-queue", type=_int_at_least(0), default=64,
                        help="requests that may wait beyond --parallel before new ones get a 503")
-    serve.add_argument("--ctx", type=_positive_int, default=DEFAULT_CTX, help="context size in tokens (KV cache)")
+    serve.add_argument("--ctx", type=_positive_int, default=None, help=CTX_HELP)
     serve.add_argument("--threads", type=_nonneg_int, default=0, help="CPU threads (default: physical cores)")
     serve.add_argument("--batch-tokens", type=_positive_int, default=None, help="step token budget (default 256)")
     serve.add_argument("--parallel", type=_positive_int, default=None, help="most sequences run at once (default 16)")
@@ -169,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=_number, default=0.8)
     chat.add_argument("--top-p", type=_number, default=0.95)
     chat.add_argument("--max-tokens", type=_positive_int, default=2048)
-    chat.add_argument("--ctx", type=_positive_int, default=DEFAULT_CTX, help="context size in tokens (KV cache)")
+    chat.add_argument("--ctx", type=_positive_int, default=None, help=CTX_HELP)
     chat.add_argument("--threads", type=_nonneg_int, default=0, help="CPU threads (default: physical cores)")
     chat.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all, 0: none)")
     _add_runner(chat)
@@ -223,7 +227,7 @@ def _engine_config(args, model_path: Path | None = None):
     sched_kwargs = {}
     if args.batch_tokens is not None:
         sched_kwargs["max_num_batched_tokens"] = args.batch_tokens
-    elif args.ctx < SchedulerConfig.max_num_batched_tokens:
+    elif args.ctx is not None and args.ctx < SchedulerConfig.max_num_batched_tokens:
         sched_kwargs["max_num_batched_tokens"] = args.ctx  # a small context gets a budget that fits
     if args.parallel is not None:
         sched_kwargs["max_num_seqs"] = args.parallel
@@ -243,6 +247,7 @@ def _engine_config(args, model_path: Path | None = None):
         n_gpu_layers=args.gpu_layers,
         speculative=not args.no_spec,
         runner=args.runner,
+        memory_limit=args.memory,
         **cache_kwargs,
     )
 

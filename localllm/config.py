@@ -24,8 +24,9 @@ class CacheConfig:
     """
 
     block_size: int = 16
-    # Context (KV cells) the runner allocates; num_blocks = n_ctx // block_size.
-    n_ctx: int = 4096
+    # Context (KV cells, all sequences together) the runner allocates; num_blocks = n_ctx //
+    # block_size. None: sized to the machine when the model loads (localllm/memory.py).
+    n_ctx: int | None = None
     # What K and V are stored as: "f16" (llama.cpp's default, with its flash attention);
     # "q8_0": 8-bit, about half the bytes per token (llama.cpp: its Q8_0 blocks of 32 values
     # with flash attention; the torch runner: int8 with a scale per token and head); or
@@ -37,11 +38,13 @@ class CacheConfig:
             raise UsageError(f"KV dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise UsageError(f"block size {self.block_size} is not a power of two; use 16 or 32")
-        if self.n_ctx < MIN_CTX:
+        if self.n_ctx is not None and self.n_ctx < MIN_CTX:
             raise UsageError(f"context {self.n_ctx} is too small; use --ctx {MIN_CTX} or more")
 
     @property
     def num_blocks(self) -> int:
+        if self.n_ctx is None:
+            raise ValueError("the context is not sized yet; localllm.memory.plan_for sizes it")
         return self.n_ctx // self.block_size
 
 
@@ -101,6 +104,8 @@ class EngineConfig:
     prefix_cache_min_tokens: int = PREFIX_CACHE_MIN_TOKENS
     # The torch runner's converted weights (runners/torch/weight_cache.py); None: not kept.
     weights_cache_dir: Path | None = None
+    # Bytes the weights and KV cache may take (--memory); None: what the machine has free.
+    memory_limit: int | None = None
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -111,7 +116,9 @@ class EngineConfig:
             raise UsageError(f"prefix_cache_min_tokens {self.prefix_cache_min_tokens} must be 1 or more")
         if self.n_threads < 0:
             raise UsageError(f"--threads {self.n_threads} must be 0 (auto) or more")
-        if self.scheduler.max_num_batched_tokens > self.cache.n_ctx:
+        if self.memory_limit is not None and self.memory_limit <= 0:
+            raise UsageError(f"--memory {self.memory_limit} must be more than 0; leave it out to use what is free")
+        if self.cache.n_ctx is not None and self.scheduler.max_num_batched_tokens > self.cache.n_ctx:
             raise UsageError(
                 f"step token budget {self.scheduler.max_num_batched_tokens} exceeds the "
                 f"context {self.cache.n_ctx}; lower --batch-tokens"

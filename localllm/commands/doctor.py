@@ -18,13 +18,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from localllm import __version__, paths
-from localllm.config import CacheConfig, SchedulerConfig
+from localllm import memory as kv_memory
+from localllm.config import SchedulerConfig
 from localllm.errors import LocalLLMError
 from localllm.runners import device
 
-DEFAULT_CTX = CacheConfig().n_ctx
 DEFAULT_SEQS = SchedulerConfig().max_num_seqs
-KV_BYTES_PER_VALUE = 2  # the runner's KV cache is f16
+KV_DTYPES_SHOWN = ("f16", "q8_0")  # the default, and the one that holds twice the tokens
 
 
 def doctor(as_json: bool = False) -> int:
@@ -73,7 +73,8 @@ def collect() -> dict:
         # The torch runner's C kernels (native/), built by the package build with a compiler.
         "native_kernels": importlib.util.find_spec("localllm._native") is not None,
         "llama_cpp": _probe(_llama_report),
-        "defaults": {"n_ctx": DEFAULT_CTX, "max_num_seqs": DEFAULT_SEQS, "kv_bytes_per_value": KV_BYTES_PER_VALUE},
+        "defaults": {"max_num_seqs": DEFAULT_SEQS, "headroom_base": kv_memory.HEADROOM_BASE,
+                     "headroom_share": kv_memory.HEADROOM_SHARE},
     }
     report["models"] = _probe(_models, report)
     report["advice"] = _advice(report)
@@ -112,7 +113,7 @@ def _models(report: dict) -> list[dict]:
         except LocalLLMError as e:
             entry["error"] = str(e)
             continue
-        kv = info.kv_bytes_per_token(KV_BYTES_PER_VALUE)
+        kv = info.kv_bytes_per_token(2)
         entry.update({
             "architecture": info.architecture, "file_type": info.file_type, "parameters": info.parameters,
             "trained_context": info.context_length, "sliding_window": info.sliding_window,
@@ -120,15 +121,24 @@ def _models(report: dict) -> list[dict]:
             "runner": "llamacpp",  # the one runner so far
         })
         where, kind, budget = _placement(report)
-        if kind != "RAM" and kv is not None and budget is not None \
-                and info.tensor_bytes + DEFAULT_CTX * kv > budget:
+        if kind != "RAM" and budget is not None and info.tensor_bytes > budget:
             entry["note"] = f"does not fit in {where}'s free memory; the runner falls back to the CPU"
             where, kind, budget = "CPU", "RAM", _ram_available(report)
         entry.update({"device": where, "memory_kind": kind, "memory_available": budget})
-        if kv is not None and budget is not None:
-            fit = device.fit_model(info.tensor_bytes, kv, budget, DEFAULT_CTX, DEFAULT_SEQS)
-            entry["fit"] = {**asdict(fit), "fits_defaults": fit.fits_defaults, "fits_all_seqs": fit.fits_all_seqs}
+        if kv is not None:
+            entry["kv_pool"] = {dtype: _pool(info, dtype, budget, kind) for dtype in KV_DTYPES_SHOWN}
     return entries
+
+
+def _pool(info, kv_dtype: str, budget: int | None, kind: str) -> dict:
+    """The KV pool a start without --ctx gets (localllm.memory's rule), or why it cannot start."""
+    try:
+        plan = kv_memory.plan(info, kv_dtype, "llamacpp", None, budget, kind)
+    except LocalLLMError as e:
+        return {"error": str(e)}
+    return {"tokens": plan.tokens, "kv_bytes_per_token": plan.kv_bytes_per_token, "kv_bytes": plan.kv_bytes,
+            "limited_by": plan.limited_by,
+            "summary": kv_memory.describe_pool(plan.tokens, plan.kv_bytes, kv_dtype)}
 
 
 def _llama_requirement() -> str:
@@ -256,9 +266,9 @@ def render(report: dict) -> str:
 
 
 def _render_models(report: dict) -> list[str]:
-    models, defaults = report["models"], report["defaults"]
-    ctx, seqs = defaults["n_ctx"], defaults["max_num_seqs"]
-    lines = ["Models (estimates: weights + f16 KV cache; llama.cpp's compute buffers come on top)"]
+    models = report["models"]
+    lines = ["Models (the KV cache a start without --ctx gets: free memory - weights - headroom, "
+             "up to the model's trained context)"]
     if isinstance(models, dict):
         lines.append(f"  cannot list them: {models['error']}")
         return lines
@@ -277,28 +287,19 @@ def _render_models(report: dict) -> list[str]:
         if "note" in m:
             lines.append(f"    note: {m['note']}")
         lines.append(f"    weights: {_size(m['weights_bytes'])}")
-        if m["kv_bytes_per_token"] is None:
+        if "kv_pool" not in m:
             lines.append("    KV cache: unknown (the file does not describe its attention)")
             continue
-        lines.append(f"    KV cache: {m['kv_bytes_per_token']:,} bytes per token (f16)")
+        per_token = ", ".join(f"{pool['kv_bytes_per_token']:,} at {dtype}"
+                              for dtype, pool in m["kv_pool"].items() if "tokens" in pool)
+        lines.append(f"    KV cache: bytes per token: {per_token or 'unknown'}")
         if m["sliding_window"]:
             lines.append(f"    sliding window: {m['sliding_window']} tokens on some layers, so the real KV cache is smaller")
-        fit = m.get("fit")
-        if fit is None:
-            lines.append(f"    fit: unknown ({m['memory_kind']} size unknown)")
-            continue
-        room = f"{_gib(fit['budget'])} available {m['memory_kind']}"
-        lines.append(f"    defaults (context {ctx} shared by up to {seqs} sequences): "
-                     f"{_size(fit['default_bytes'])}; {'fits' if fit['fits_defaults'] else 'does NOT fit'} in {room}")
-        lines.append(f"    {seqs} conversations of {ctx} tokens each (--ctx {seqs * ctx}): "
-                     f"{_size(fit['all_seqs_bytes'])}; {'fits' if fit['fits_all_seqs'] else 'does NOT fit'}")
-        if fit["max_context_tokens"] == 0:
-            lines.append(f"    most that fits: nothing, the weights alone exceed {room}")
-            continue
-        longest = fit["max_context_tokens"]
-        trained = m["trained_context"]
-        limit = (f"{trained:,} tokens (the model's trained limit; memory allows {longest:,})"
-                 if trained and trained < longest else f"{longest:,} tokens")
-        lines.append(f"    longest context that fits: {limit}")
-        lines.append(f"    {ctx}-token conversations that fit at once: {fit['max_conversations']:,}")
+        room = (f"{_gib(m['memory_available'])} available {m['memory_kind']}" if m["memory_available"] is not None
+                else f"{m['memory_kind']} size unknown")
+        for dtype, pool in m["kv_pool"].items():
+            if "error" in pool:
+                lines.append(f"    --kv-dtype {dtype}: {pool['error']}")
+            else:
+                lines.append(f"    --kv-dtype {dtype}: {pool['summary']} (limited by {pool['limited_by']}; {room})")
     return lines

@@ -34,6 +34,8 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
                 base = f"http://{server_config.host}:{port}/v1"
                 model = app.state.server.model_id
                 print(f"localllm serve: {base}  model {model}", file=sys.stderr, flush=True)
+                if engine.engine.kv_pool_summary:
+                    print(f"KV cache: {engine.engine.kv_pool_summary}", file=sys.stderr, flush=True)
                 print(f"Editors: add an OpenAI-compatible provider with base URL {base}, model {model}"
                       f"{', and your --api-key' if server_config.api_key else ', any API key'}",
                       file=sys.stderr, flush=True)

@@ -22,6 +22,7 @@ from localllm.engine.sampler import Sampler, top_logprobs
 from localllm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from localllm.engine.spec_decode import Drafter
 from localllm.errors import LocalLLMError, UsageError
+from localllm.memory import describe_pool
 from localllm.runners.base import Constraint, ModelRunner
 from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -86,6 +87,11 @@ class LLMEngine:
             prefix_source=_StoredPrefixes(self.prefix_store, self.runner) if self.prefix_store else None,
         )
         self.max_model_len = self.block_manager.num_blocks * block_size
+        # The pool as people read it, from what the runner really allocated (None for a runner
+        # that does not measure it, such as the tests' fakes).
+        kv_bytes = getattr(self.runner, "kv_bytes", None)
+        self.kv_pool_summary = (describe_pool(self.max_model_len, kv_bytes, config.cache.kv_dtype)
+                                if kv_bytes else None)
         # Sliding-window models drop cells as the window moves; a rollback could not restore
         # them, so they are never drafted for.
         self.drafter = None if getattr(self.runner, "n_swa", 0) else Drafter()

@@ -207,38 +207,3 @@ def torch_devices() -> dict:
     except Exception as e:  # a driver that torch cannot talk to
         report["error"] = f"{type(e).__name__}: {e}"
     return report
-
-
-@dataclass(frozen=True)
-class MemoryFit:
-    """How a model's weights and f16 KV cache fit in budget bytes (RAM or VRAM).
-
-    The runner's KV cache is one pool of n_ctx tokens shared by all its sequences, so the
-    defaults need weights + n_ctx x kv_bytes_per_token; giving each of num_seqs sequences
-    its own n_ctx takes num_seqs times that cache. Compute buffers are not counted.
-    """
-
-    budget: int
-    default_bytes: int  # weights + the default KV cache
-    all_seqs_bytes: int  # weights + num_seqs full contexts
-    max_context_tokens: int  # the longest single context the memory holds (0: not even the weights)
-    max_conversations: int  # how many n_ctx-token conversations fit at once
-
-    @property
-    def fits_defaults(self) -> bool:
-        return self.default_bytes <= self.budget
-
-    @property
-    def fits_all_seqs(self) -> bool:
-        return self.all_seqs_bytes <= self.budget
-
-
-def fit_model(weights_bytes: int, kv_bytes_per_token: int, budget: int, n_ctx: int, num_seqs: int) -> MemoryFit:
-    room = max(0, budget - weights_bytes)
-    return MemoryFit(
-        budget=budget,
-        default_bytes=weights_bytes + n_ctx * kv_bytes_per_token,
-        all_seqs_bytes=weights_bytes + num_seqs * n_ctx * kv_bytes_per_token,
-        max_context_tokens=room // kv_bytes_per_token,
-        max_conversations=room // (n_ctx * kv_bytes_per_token),
-    )

@@ -26,6 +26,7 @@ import llama_cpp as L
 import numpy as np
 from llama_cpp import llama_grammar
 
+from localllm import memory
 from localllm.config import EngineConfig
 from localllm.engine.request import Sequence
 from localllm.engine.scheduler import SchedulerOutput
@@ -33,8 +34,15 @@ from localllm.errors import EngineError, ModelLoadError, UsageError
 from localllm.gguf import read_info
 
 
+_KV_SIZE_LINE = re.compile(rb"llama_kv_cache: +size = +([0-9.]+) MiB")
+_FLASH_ON_LINE = re.compile(rb"flash_attn += enabled|Flash Attention enabled")
+_log_lines: list[bytes] | None = None  # while a context is created: llama.cpp's lines, to read back
+
+
 @L.llama_log_callback
 def _quiet_log(level, text, user_data):  # llama.cpp's own logging stays off the terminal
+    if text and _log_lines is not None:
+        _log_lines.append(text)
     if os.environ.get("LOCALLLM_LLAMA_LOG") and text:
         os.write(2, text)
 
@@ -345,6 +353,8 @@ class LlamaCppRunner:
         _init_backend()
         path = Path(config.model_path)
         check_gguf(path)
+        config, self.kv_plan = memory.sized(config, self.name)
+        self.kv_dtype = config.cache.kv_dtype
         self.block_size = config.cache.block_size
         self.max_batch = config.scheduler.max_num_batched_tokens
         mparams = L.llama_model_default_params()
@@ -373,15 +383,39 @@ class LlamaCppRunner:
         cparams.kv_unified = True
         cparams.no_perf = True
         if config.cache.kv_dtype == "f32":
-            cparams.type_k = cparams.type_v = 0  # GGML_TYPE_F32
-            cparams.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED
-        self.ctx = L.llama_init_from_model(self.model, cparams)
+            cparams.type_k = cparams.type_v = L.GGML_TYPE_F32
+            cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        elif config.cache.kv_dtype == "q8_0":
+            # An 8-bit V cache is only read by flash attention: ask for it outright, so that a
+            # build or device without it fails here rather than silently running f16.
+            cparams.type_k = cparams.type_v = L.GGML_TYPE_Q8_0
+            cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        global _log_lines
+        _log_lines = lines = []
+        try:
+            self.ctx = L.llama_init_from_model(self.model, cparams)
+        finally:
+            _log_lines = None
+        log = b"".join(lines)  # llama.cpp may send a line in pieces
         if not self.ctx:
             L.llama_model_free(self.model)
+            if config.cache.kv_dtype == "q8_0":
+                raise ModelLoadError(
+                    f"llama.cpp could not create an 8-bit KV cache for {path}: it needs flash attention, "
+                    f"which this llama.cpp build or device does not offer; use --kv-dtype f16")
             raise ModelLoadError(
                 f"llama.cpp could not create a context of {config.cache.n_ctx} tokens for "
                 f"{path}; lower --ctx"
             )
+        # What llama.cpp really allocated, from its own report (the KV buffers, all layers; a
+        # sliding-window model has two caches) and whether flash attention is on.
+        self.kv_bytes = round(sum(float(m.group(1)) for m in _KV_SIZE_LINE.finditer(log)) * 2**20)
+        self.flash_attn = _FLASH_ON_LINE.search(log) is not None
+        if config.cache.kv_dtype == "q8_0" and not self.flash_attn:
+            L.llama_free(self.ctx)
+            L.llama_model_free(self.model)
+            raise ModelLoadError(f"llama.cpp did not turn flash attention on for {path}, which an 8-bit "
+                                 "KV cache needs; use --kv-dtype f16")
         self.mem = L.llama_get_memory(self.ctx)
         self.n_ctx = L.llama_n_ctx(self.ctx)
         self.vocab = LlamaVocab(self.model)

@@ -154,6 +154,8 @@ class ChatApp(App[int]):
         self.backend, self.model = backend, model
         loading.display = False
         self.status.set_state("ready", backend.model_name or model)
+        if getattr(backend, "pool_summary", None):
+            self.notify(f"KV cache: {backend.pool_summary}", timeout=8)
         if self.conversation is not None and self.conversation.messages:
             self._warm()
 

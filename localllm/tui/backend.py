@@ -106,6 +106,7 @@ class EngineFigures:
 class ChatBackend(Protocol):
     model_name: str
     n_ctx: int | None  # None: the server does not say
+    pool_summary: str | None  # the KV cache's size as people read it; None: not known here
     shares_cpu: bool  # the model runs on this machine's cores, beside the screen
 
     def load(self) -> None:
@@ -142,6 +143,7 @@ class LocalBackend:
         self.config = config
         self.model_name = Path(config.model_path).name
         self.n_ctx: int | None = None
+        self.pool_summary: str | None = None
         self.shares_cpu = True
         self._engine = None  # AsyncEngine once loaded
         self._request_id: str | None = None
@@ -151,6 +153,7 @@ class LocalBackend:
 
         engine = LLMEngine(self.config)
         self.n_ctx = engine.max_model_len
+        self.pool_summary = engine.kv_pool_summary
         self._engine = AsyncEngine(engine)
 
     @property
@@ -231,6 +234,7 @@ class RemoteBackend:
         self.base_url = base_url if base_url.endswith("/v1") else base_url + "/v1"
         self.model_name = model or ""
         self.n_ctx: int | None = None
+        self.pool_summary: str | None = None
         self.shares_cpu = False
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = timeout_s

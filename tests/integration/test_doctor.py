@@ -83,8 +83,8 @@ def test_text_report_without_models(tmp_path):
         assert "  GPU offload: no" in lines
         assert "  backends: CPU" in lines
         assert re.search(r"^  device 0: CPU \(.*\), CPU, \d+\.\d GiB free of \d+\.\d GiB$", out, re.M)
-    assert lines[lines.index("Models (estimates: weights + f16 KV cache; llama.cpp's compute buffers "
-                             "come on top)") + 1] == "  no models installed"
+    assert lines[lines.index("Models (the KV cache a start without --ctx gets: free memory - weights - "
+                             "headroom, up to the model's trained context)") + 1] == "  no models installed"
     assert lines[-2:] == ["Advice", "  - no models installed; `localllm pull qwen2.5-coder:0.5b` installs a small one"]
 
 
@@ -111,7 +111,7 @@ def test_json_report_without_models(tmp_path):
     assert "CPU" in llama["backends"]
     assert any(d["type"] == "CPU" for d in llama["devices"])
     assert llama["system_info"].startswith("CPU : ")
-    assert report["defaults"] == {"n_ctx": 4096, "max_num_seqs": 16, "kv_bytes_per_value": 2}
+    assert report["defaults"] == {"max_num_seqs": 16, "headroom_base": 512 * 2**20, "headroom_share": 0.05}
     assert report["models"] == []
     if not HAS_GPU:
         assert llama["gpu_offload"] is False
@@ -152,15 +152,14 @@ def test_estimates_for_installed_models(tmp_path, qwen_path):
     if not HAS_GPU:
         assert lines[i + 2] == "    runner: llamacpp on CPU"
     assert lines[i + 3] == "    weights: 485,452,288 bytes (463.0 MiB)"
-    assert lines[i + 4] == "    KV cache: 12,288 bytes per token (f16)"
-    default_bytes = weights + 4096 * kv
-    assert re.fullmatch(rf"    defaults \(context 4096 shared by up to 16 sequences\): {default_bytes:,} bytes "
-                        rf"\(511\.0 MiB\); fits in \d+\.\d GiB available (RAM|VRAM)", lines[i + 5]), lines[i + 5]
-    all_seqs = weights + 16 * 4096 * kv
-    assert lines[i + 6] == f"    16 conversations of 4096 tokens each (--ctx 65536): {all_seqs:,} bytes (1231.0 MiB); fits"
-    assert re.fullmatch(r"    longest context that fits: 32,768 tokens \(the model's trained limit; "
-                        r"memory allows [\d,]+\)", lines[i + 7]), lines[i + 7]
-    assert re.fullmatch(r"    4096-token conversations that fit at once: [\d,]+", lines[i + 8])
+    # Q8_0 stores 32 values in 34 bytes: 24 layers x 2 KV heads x 128 values x 34 / 32.
+    assert lines[i + 4] == "    KV cache: bytes per token: 12,288 at f16, 6,528 at q8_0"
+    # Memory here is far above the model's needs: the trained context is the limit.
+    assert re.fullmatch(r"    --kv-dtype f16: 32,768 tokens \(384 MiB, f16\): 8 conversations of 4k, "
+                        r"or 1 of 32k \(limited by the model's trained context; \d+\.\d GiB available (RAM|VRAM)\)",
+                        lines[i + 5]), lines[i + 5]
+    assert re.fullmatch(r"    --kv-dtype q8_0: 32,768 tokens \(204 MiB, q8_0\): 8 conversations of 4k, "
+                        r"or 1 of 32k \(limited by the model's trained context; .*\)", lines[i + 6]), lines[i + 6]
     assert lines[lines.index(f"  gone: {tmp_path / 'gone.gguf'}") + 1] == (
         f"    error: its file {tmp_path / 'gone.gguf'} is gone; `localllm rm gone` forgets it")
     assert lines[lines.index(f"  junk: {junk}") + 1] == (
@@ -175,14 +174,13 @@ def test_estimates_for_installed_models(tmp_path, qwen_path):
         "architecture": "qwen2", "file_type": "Q4_K_M", "parameters": 630_167_424, "trained_context": 32768,
         "file_bytes": qwen_path.stat().st_size, "weights_bytes": weights, "kv_bytes_per_token": kv,
         "runner": "llamacpp"}
-    fit = qwen["fit"]
     budget = qwen["memory_available"]
     if qwen["memory_kind"] == "RAM":
         assert budget == report["memory"]["available"]
-    assert fit == {
-        "budget": budget, "default_bytes": default_bytes, "all_seqs_bytes": all_seqs,
-        "max_context_tokens": (budget - weights) // kv, "max_conversations": (budget - weights) // (4096 * kv),
-        "fits_defaults": True, "fits_all_seqs": True}
+    assert qwen["kv_pool"]["f16"] == {
+        "tokens": 32768, "kv_bytes_per_token": kv, "kv_bytes": 32768 * kv, "limited_by": "the model's trained context",
+        "summary": "32,768 tokens (384 MiB, f16): 8 conversations of 4k, or 1 of 32k"}
+    assert qwen["kv_pool"]["q8_0"]["kv_bytes_per_token"] == 6528
 
 
 def test_reinstall_commands():

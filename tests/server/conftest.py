@@ -59,6 +59,9 @@ def _wait_healthy(server: LiveServer) -> None:
     pytest.fail(f"localllm serve did not answer /health within {START_TIMEOUT_S} s:\n{server.log()}")
 
 
+SERVER_CTX = 4096  # the tests' server holds this many tokens of KV (its default would depend on free memory)
+
+
 @pytest.fixture(scope="session")
 def live_server(qwen_path: Path, tmp_path_factory) -> LiveServer:
     port = _free_port()
@@ -66,7 +69,7 @@ def live_server(qwen_path: Path, tmp_path_factory) -> LiveServer:
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "localllm.cli", "serve", "--model", str(qwen_path), "--port", str(port),
-             "--threads", "2", "--api-key", API_KEY],
+             "--threads", "2", "--api-key", API_KEY, "--ctx", str(SERVER_CTX)],
             stdout=log, stderr=subprocess.STDOUT)
     server = LiveServer(port=port, process=process, log_path=log_path, model_path=qwen_path)
     _wait_healthy(server)

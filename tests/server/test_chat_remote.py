@@ -17,7 +17,7 @@ from localllm.tui.backend import Chunk, Figures, GenerationSettings, RemoteBacke
 
 pytestmark = pytest.mark.model
 
-SERVER_CTX = 4096  # `localllm serve`'s default --ctx
+SERVER_CTX = 4096  # the --ctx of conftest's live_server
 WAIT_S = 60
 GREEDY = GenerationSettings(temperature=0, top_p=1.0, max_tokens=16)
 FRANCE = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]

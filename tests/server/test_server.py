@@ -107,6 +107,13 @@ def test_models_list_has_exactly_the_served_file(client, live_server):
     assert models.data[0].object == "model"
 
 
+def test_start_up_lines_name_the_url_and_the_kv_cache(live_server):
+    lines = live_server.log_path.read_text().splitlines()
+    assert f"localllm serve: http://127.0.0.1:{live_server.port}/v1  model {live_server.model_path.stem}" in lines
+    # 4,096 tokens (--ctx) x 12,288 bytes: llama.cpp's own report of what it allocated.
+    assert "KV cache: 4,096 tokens (48 MiB, f16): 1 conversation of 4k" in lines
+
+
 def test_model_retrieve(client, model_id):
     card = client.models.retrieve(model_id)
     assert card.id == model_id
@@ -296,7 +303,7 @@ def test_temperature_out_of_range_is_400(client, http, model_id):
     assert err["type"] == "invalid_request_error"
 
 
-LONG_TEXT = "hello world " * 3000  # about 6000 tokens, over the default context of 4096
+LONG_TEXT = "hello world " * 3000  # about 6000 tokens, over the test server's context of 4096
 
 
 def _assert_context_message(message: str, max_tokens: int) -> int:

@@ -84,6 +84,14 @@ async def test_up_and_down_walk_the_input_history(make_app, store):
         assert app.prompt.text == "draft"
 
 
+async def test_loading_shows_the_kv_cache_it_got(make_app):
+    app = make_app(n_ctx=2048)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        assert [n.message for n in app._notifications] == [
+            "KV cache: 2,048 tokens (24 MiB, f16): 1 conversation of 2k"]
+
+
 async def test_sending_while_loading_keeps_the_text(make_app):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:

@@ -36,6 +36,7 @@ def _no_blink(app) -> None:
 async def _settled(pilot) -> None:
     _no_blink(pilot.app)
     await wait_ready(pilot)
+    pilot.app.clear_notifications()  # the KV-cache toast of loading comes and goes with time
     await pilot.app._poll_engine()  # the engine's figures now, not whenever the timer last ran
     await pilot.pause()
 

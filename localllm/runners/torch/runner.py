@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from localllm import memory
 from localllm.config import EngineConfig
 from localllm.engine.request import Sequence
 from localllm.engine.scheduler import SchedulerOutput
@@ -60,6 +61,7 @@ class TorchRunner:
         from localllm.runners.torch import quant
 
         path = Path(config.model_path)
+        config, self.kv_plan = memory.sized(config, self.name)  # before anything is allocated
         self.device = device or pick_device()
         if self.device.type == "cpu" and config.threads:
             torch.set_num_threads(config.threads)
@@ -105,6 +107,7 @@ class TorchRunner:
         self.fingerprint = (f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|torch {torch.__version__}|"
                             f"{self.weights_scheme}|kv {config.cache.kv_dtype}").encode()
         self._lengths: dict[int, int] = {}  # seq_id -> positions it has KV for
+        self.kv_bytes = sum(t.nbytes for t in self.pool.k + self.pool.v)  # measured from the pool
 
     # -- a step -------------------------------------------------------------------------
 
