@@ -29,11 +29,12 @@ def runner_for(path: Path, kv_dtype: str, n_ctx: int = 4096) -> LlamaCppRunner:
 
 
 def test_q8_0_cache_is_llama_cpps_own_and_holds_188x_the_tokens(qwen_path):
-    pools = {}
+    pools, fingerprints = {}, {}
     for kv_dtype in ("f16", "q8_0"):
         runner = runner_for(qwen_path, kv_dtype)
         try:
             pools[kv_dtype] = (runner.n_ctx, runner.kv_bytes, runner.flash_attn, runner.kv_plan)
+            fingerprints[kv_dtype] = runner.fingerprint
         finally:
             runner.close()
     (n16, bytes16, fa16, plan16), (n8, bytes8, fa8, plan8) = pools["f16"], pools["q8_0"]
@@ -45,6 +46,8 @@ def test_q8_0_cache_is_llama_cpps_own_and_holds_188x_the_tokens(qwen_path):
     # The plan's arithmetic is what llama.cpp allocates.
     assert (plan16.kv_bytes, plan8.kv_bytes) == (bytes16, bytes8)
     assert round(bytes16 / bytes8, 3) == 1.882  # tokens per byte, q8_0 over f16
+    # The on-disk prefix cache is keyed by the fingerprint: an f16 entry never loads into q8_0.
+    assert b"|f16|" in fingerprints["f16"] and b"|q8_0|" in fingerprints["q8_0"]
 
 
 def test_q8_0_cache_continues_text_as_f16_does(qwen_path):
