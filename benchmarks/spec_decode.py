@@ -1,6 +1,6 @@
 """Prompt-lookup speculative decoding, on against off, in one engine and one run.
 
-    python benchmarks/spec_decode.py [--rounds 3] [--only edit,summary,chat]
+    python benchmarks/spec_decode.py [--rounds 3] [--only edit,summary,chat] [--runner llamacpp|torch]
 
 Three kinds of request, greedy (what editors send), on the Qwen2.5-Coder-0.5B test file:
 
@@ -116,13 +116,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", default="edit,summary,chat")
+    parser.add_argument("--runner", default="llamacpp", choices=("llamacpp", "torch"))
     args = parser.parse_args()
+    from localllm import paths
+
     engine = LLMEngine(EngineConfig(model_path=model_path(), cache=CacheConfig(n_ctx=8192),
-                                    n_threads=args.threads))
+                                    n_threads=args.threads, runner=args.runner,
+                                    weights_cache_dir=paths.weights_cache_dir()))
     todo = [(kind, engine.tokenizer.apply_chat_template([{"role": "user", "content": text}]), n)
             for kind, text, n in requests(set(args.only.split(",")))]
     run(engine, todo[0][1], 16, False)  # warm-up: the first steps time the machine
-    print(f"# {machine()}; llama.cpp, {args.threads} threads")
+    print(f"# {machine()}; {engine.runner.name} runner, {args.threads} threads")
     print("| round | kind | prompt | output tokens | off tok/s | on tok/s | speed-up | accepted / proposed | same output |")
     print("|---|---|---|---|---|---|---|---|---|")
     speedups: dict[str, list[float]] = {}
