@@ -207,6 +207,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-tokens", type=_positive_int, default=128)
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
 
+    ev = sub.add_parser("eval", help="what a runner and KV dtype cost on a text: perplexity, top-1 agreement "
+                                     "and KL against llama.cpp with its default f16 KV cache")
+    ev.add_argument("model", help="a .gguf path, an installed name (`localllm ls`) or a catalog alias you pulled")
+    _add_runner(ev)
+    _add_kv_dtype(ev)
+    ev.add_argument("--text", type=Path, default=None, metavar="FILE",
+                    help="a UTF-8 text file to score, 16 to 16,384 tokens (default: a built-in "
+                         "public-domain passage of about 3,400 tokens)")
+    ev.add_argument("--threads", type=_nonneg_int, default=0, help="CPU threads (default: physical cores)")
+    ev.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all, 0: none)")
+    ev.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
     cache = sub.add_parser("cache", help="the on-disk prefix cache: ls, stats, clear")
     cache_sub = cache.add_subparsers(dest="cache_command", metavar="ACTION", parser_class=_Parser)
     cache_ls = cache_sub.add_parser("ls", help="list stored prompts, most recently used first")
@@ -334,6 +346,20 @@ def cmd_bench(args) -> int:
     return bench(_engine_config(args), args.concurrency, args.prompt_tokens, args.max_tokens, as_json=args.json)
 
 
+def cmd_eval(args) -> int:
+    from localllm.commands.eval import context_for, evaluate, read_text, tokenize
+    from localllm.evaluation import CHUNK
+
+    text_name, text = read_text(args.text)
+    model_path = _model_path(args.model)
+    token_ids = tokenize(model_path, text, text_name)
+    # One sequence holding the whole text, one chunk per step, nothing read from or written
+    # to the on-disk prefix cache; no drafting (the runners are driven directly).
+    args.ctx, args.batch_tokens, args.parallel = context_for(len(token_ids)), CHUNK, 1
+    args.prefix_cache_size, args.no_spec = 0, True
+    return evaluate(_engine_config(args, model_path), token_ids, text_name, as_json=args.json)
+
+
 def cmd_chat(args) -> int:
     from localllm.commands.chat import chat
     from localllm.tui.backend import GenerationSettings
@@ -399,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         handler = {"run": cmd_run, "bench": cmd_bench, "serve": cmd_serve, "chat": cmd_chat,
                    "pull": cmd_pull, "ls": cmd_ls, "rm": cmd_rm, "show": cmd_show,
-                   "cache": cmd_cache, "doctor": cmd_doctor}[args.command]
+                   "cache": cmd_cache, "doctor": cmd_doctor, "eval": cmd_eval}[args.command]
         return handler(args)
     except LocalLLMError as e:
         return _fail(str(e), e.exit_code)

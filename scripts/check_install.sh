@@ -38,7 +38,8 @@ ls -l "$work"/dist | sed 1d
 import sys, zipfile
 names = set(zipfile.ZipFile(sys.argv[1]).namelist())
 need = ["localllm/cli.py", "localllm/gguf.py", "localllm/runners/llamacpp.py", "localllm/runners/device.py",
-        "localllm/models.toml", "localllm/tui/chat.tcss", "localllm/py.typed"]
+        "localllm/models.toml", "localllm/tui/chat.tcss", "localllm/py.typed",
+        "localllm/data/eval.txt"]
 missing = [n for n in need if n not in names]
 if missing:
     sys.exit(f"the wheel lacks {', '.join(missing)}")
