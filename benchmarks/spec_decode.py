@@ -14,7 +14,9 @@ Each request runs once with drafting off (``speculative=False``) and once on (th
 default, which drafts where its plan expects it to pay), alternating, in every round. Decode
 speed is (output tokens - 1) / (finish - first token): prefill is not in it (the second run
 of a prompt finds it in the prefix cache). The outputs of both runs are compared token by
-token. Per kind, the table gives the median of the per-request speed-ups.
+token. Per kind, the table gives the median of the per-request speed-ups; "copied" is the share
+of the answer (drafting off) in runs of 8+ tokens found in the request, and summaries that
+copy at least half are also reported on their own: those are the ones that quote.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from localllm.engine.request import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE_COMMIT = "d3c8937"  # the sources that the edit requests change
+# A summary "quotes its source" when at least this share of its tokens (drafting off) lies in
+# runs of 8 or more tokens copied from the request.
+QUOTING = 0.5
 
 EDITS = [
     ("localllm/engine/sampler.py", "Change NUM_CANDIDATES from 4096 to 2048."),
@@ -98,6 +103,17 @@ def requests(only: set[str]) -> list[tuple[str, str, int]]:
     return out
 
 
+def copied_fraction(prompt: list[int], output: list[int], n: int = 8) -> float:
+    """The share of ``output``'s tokens inside a run of ``n`` or more tokens that also occurs
+    in ``prompt``: how much of an answer quotes its request (1.0 for a file sent back whole)."""
+    grams = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
+    covered = [False] * len(output)
+    for i in range(len(output) - n + 1):
+        if tuple(output[i:i + n]) in grams:
+            covered[i:i + n] = [True] * n
+    return sum(covered) / max(1, len(output))
+
+
 def run(engine: LLMEngine, prompt: list[int], max_tokens: int, speculative: bool | None):
     seq = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                     speculative=speculative))
@@ -127,19 +143,23 @@ def main() -> None:
             for kind, text, n in requests(set(args.only.split(",")))]
     run(engine, todo[0][1], 16, False)  # warm-up: the first steps time the machine
     print(f"# {machine()}; {engine.runner.name} runner, {args.threads} threads")
-    print("| round | kind | prompt | output tokens | off tok/s | on tok/s | speed-up | accepted / proposed | same output |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| round | kind | prompt | output tokens | copied | off tok/s | on tok/s | speed-up | accepted / proposed | same output |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     speedups: dict[str, list[float]] = {}
     same: dict[str, list[bool]] = {}
+    quoting: list[float] = []  # speed-ups of the summaries that do quote their source
     for r in range(1, args.rounds + 1):
         for i, (kind, prompt, max_tokens) in enumerate(todo):
             off_tokens, off_speed, _ = run(engine, prompt, max_tokens, False)
             on_tokens, on_speed, m = run(engine, prompt, max_tokens, None)
             speedups.setdefault(kind, []).append(on_speed / off_speed)
+            copied = copied_fraction(prompt, off_tokens)
+            if kind == "summary" and copied >= QUOTING:
+                quoting.append(on_speed / off_speed)
             same.setdefault(kind, []).append(on_tokens == off_tokens)
             first_diff = next((j for j, (a, b) in enumerate(zip(off_tokens, on_tokens)) if a != b),
                               None if len(on_tokens) == len(off_tokens) else min(len(on_tokens), len(off_tokens)))
-            print(f"| {r} | {kind} | {len(prompt)} | {len(off_tokens)} / {len(on_tokens)} | {off_speed:.1f} | "
+            print(f"| {r} | {kind} | {len(prompt)} | {len(off_tokens)} / {len(on_tokens)} | {copied:.0%} | {off_speed:.1f} | "
                   f"{on_speed:.1f} | {on_speed / off_speed:.2f}x | {m.num_draft_accepted} / {m.num_draft_proposed} | "
                   f"{'yes' if first_diff is None else f'from token {first_diff}'} |", flush=True)
     print()
@@ -147,6 +167,9 @@ def main() -> None:
     print("|---|---|---|")
     for kind, values in speedups.items():
         print(f"| {kind} | {median(values):.2f}x | {sum(same[kind])} of {len(same[kind])} |")
+    if quoting:
+        print(f"| summary, those that quote (copied >= {QUOTING:.0%}) | {median(quoting):.2f}x | "
+              f"{len(quoting)} requests |")
     engine.close()
 
 
