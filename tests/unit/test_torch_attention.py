@@ -66,12 +66,12 @@ def test_batch_slots_follow_the_block_tables():
     assert [(s.q_start, s.q_len, s.ctx_len, s.exact) for s in batch.spans] == [(0, 2, 7, True), (2, 3, 3, False)]
 
 
-def decoding_pool(seed: int):
-    """A float16 pool holding 300 positions of a 14-head, 2-KV-head sequence (blocks in reverse
-    order), its block table, and a query for every position."""
+def decoding_pool(seed: int, dtype=torch.float16):
+    """A pool (float16, or int8: q8_0) holding 300 positions of a 14-head, 2-KV-head sequence
+    (blocks in reverse order), its block table, and a query for every position."""
     g = torch.Generator().manual_seed(seed)
     n_head, n_kv, hd, length = 14, 2, 64, 300
-    pool = KVPool(1, num_blocks=24, block_size=16, n_kv_heads=n_kv, head_dim=hd, dtype=torch.float16)
+    pool = KVPool(1, num_blocks=24, block_size=16, n_kv_heads=n_kv, head_dim=hd, dtype=dtype)
     table = list(range(24))[::-1]
     pool.write(0, block_slots(table, length, 16), torch.randn(length, n_kv, hd, generator=g),
                torch.randn(length, n_kv, hd, generator=g))
@@ -79,10 +79,11 @@ def decoding_pool(seed: int):
     return pool, table, q
 
 
-def test_an_exact_position_decoded_alone_equals_it_checked_among_drafts():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int8], ids=["f16", "q8_0"])
+def test_an_exact_position_decoded_alone_equals_it_checked_among_drafts(dtype):
     """Bit for bit: the float32 result of a decode step's query equals that of the same query
     as the first row of a verify step (1 + k rows, the drafts' keys masked), whatever k."""
-    pool, table, q = decoding_pool(2)
+    pool, table, q = decoding_pool(2, dtype)
 
     def attend(start, num):
         return paged_attention(q[start:start + num], pool, 0, AttnBatch.build([(table, start, num, True)], 16, "cpu"),
