@@ -243,7 +243,9 @@ class AttnBatch:
         if self.native_meta is not None and q.dtype == torch.float32:
             from localllm.runners.torch import native
 
-            return native.paged_attention(q, pool.k[layer], pool.v[layer], self.native_meta, scale, n_swa)
+            scales = (pool.k_scales[layer], pool.v_scales[layer]) if pool.is_quantized else (None, None)
+            return native.paged_attention(q, pool.k[layer], pool.v[layer], self.native_meta, scale, n_swa,
+                                          k_scales=scales[0], v_scales=scales[1])
         return paged_attention(q, pool, layer, self, scale, n_swa)
 
 
