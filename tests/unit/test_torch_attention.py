@@ -283,11 +283,12 @@ def test_kernels_built_from_older_sources_are_never_called(monkeypatch):
     g = torch.Generator().manual_seed(7)
     pool, seqs = scattered_batch(g, torch.int8, 2, 64, [20], [1])
     batch = AttnBatch.build(seqs, 16, "cpu", native=True)
-    monkeypatch.setattr(native, "ABI_VERSION", native.ABI_VERSION + 1)
+    built = native.ABI_VERSION
+    monkeypatch.setattr(native, "ABI_VERSION", built + 1)
     native._load.cache_clear()
     try:
-        assert native.library() is None and not native.available()
-        assert "was built from older sources" in native.why_unavailable()
+        assert native.library() is None and not native.available() and native.is_outdated()
+        assert f"was built from older sources (ABI {built}, this code needs {built + 1})" in native.why_unavailable()
         with pytest.raises(RuntimeError, match=r"older sources .*`pip install -e \.`"):
             native.paged_attention(torch.randn(1, 14, 64), pool.k[0], pool.v[0], batch.native_meta, 0.125,
                                    k_scales=pool.k_scales[0], v_scales=pool.v_scales[0])

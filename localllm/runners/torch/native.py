@@ -35,20 +35,25 @@ def why_unavailable() -> str | None:
     return _load()[1]
 
 
+def is_outdated() -> bool:
+    """Whether the kernels are there but were built from other sources (so never called)."""
+    return _load()[2]
+
+
 @functools.cache
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
+def _load() -> tuple[ctypes.CDLL | None, str | None, bool]:
     spec = importlib.util.find_spec("localllm._native")
     if spec is None or not spec.origin:
-        return None, "localllm._native was not built (no C compiler when the package was installed)"
+        return None, "localllm._native was not built (no C compiler when the package was installed)", False
     try:
         lib = ctypes.CDLL(spec.origin)
     except OSError as e:
-        return None, f"localllm._native ({spec.origin}) does not load: {e}"
+        return None, f"localllm._native ({spec.origin}) does not load: {e}", False
     lib.lm_abi_version.restype = ctypes.c_int
     if lib.lm_abi_version() != ABI_VERSION:
         # An older build would misread this code's calls (a q8_0 pool, for one): never call it.
         return None, (f"localllm._native ({spec.origin}) was built from older sources (ABI "
-                      f"{lib.lm_abi_version()}, this code needs {ABI_VERSION})")
+                      f"{lib.lm_abi_version()}, this code needs {ABI_VERSION})"), True
     vp, ci = ctypes.c_void_p, ctypes.c_int
     lib.lm_paged_attention.restype = ci
     lib.lm_paged_attention.argtypes = [vp, vp, vp, vp, vp, vp, ci, ci, vp, vp, vp, vp, vp, ci, ci, ci, ci,
@@ -60,7 +65,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.lm_pool_use_openmp.restype = None
     lib.lm_pool_use_openmp.argtypes = [vp, vp, vp]
     _share_torchs_threads(lib)
-    return lib, None
+    return lib, None, False
 
 
 def _share_torchs_threads(lib: ctypes.CDLL) -> None:
