@@ -1,16 +1,19 @@
 /* Paged attention over the torch runner's KV pool, reading the blocks in place.
  *
- * The pool of one layer is K and V of shape [num_blocks, block_size, n_kv, head_dim] (float32
- * or float16); a sequence's position p lives in block tables[table_start[s] + p / block_size],
- * row p % block_size. A step's queries are flattened: sequence s has q_len[s] rows starting at
+ * The pool of one layer is K and V of shape [num_blocks, block_size, n_kv, head_dim]: float32,
+ * float16, or int8 (q8_0) with float16 scales [num_blocks, block_size, n_kv], one per token and
+ * KV head, the value being q * scale (kv_type: LM_KV_F32 / LM_KV_F16 / LM_KV_Q8). A
+ * sequence's position p lives in block tables[table_start[s] + p / block_size], row
+ * p % block_size. A step's queries are flattened: sequence s has q_len[s] rows starting at
  * row q_start[s] of q [N, n_head, head_dim] (float32), the last q_len[s] of its ctx_len[s]
  * positions. A query at position p sees the keys at positions <= p, and with a window
  * (n_swa > 0) only those less than n_swa back: the mask of localllm.runners.torch.attention.
  *
  * One work item is one sequence's tile of query rows, one KV head and a run of that head's
  * query heads; it walks the context a block at a time with an online softmax (running
- * maximum and sum), so each K and V row is converted once per item and nothing the size of
- * the context is copied. Items are shared out to the thread pool (pool.c) when the step's
+ * maximum and sum), so each K and V row is converted to float32 once per item (q * scale is
+ * exact in float32, as the pure-torch reference computes it) and nothing the size of the
+ * context is copied. Items are shared out to the thread pool (pool.c) when the step's
  * work is large enough to pay for waking it.
  */
 
@@ -77,7 +80,8 @@ typedef struct {
     const float *q;
     float *out;
     const void *k, *v;
-    int kv_f16;
+    const uint16_t *k_scales, *v_scales; /* float16 bits; LM_KV_Q8 only */
+    int kv_type;
     const int32_t *q_start, *q_len, *ctx_len, *tables, *table_start;
     int block_size, n_head, n_kv, head_dim, n_swa;
     float scale;
@@ -88,12 +92,25 @@ typedef struct {
     int failed; /* a part could not get its scratch memory (atomic) */
 } job_t;
 
-static void load_rows(const void *cache, int f16, size_t first, size_t stride, int n, int d, float *restrict dst) {
+/* Rows row0..row0+n-1 of the flattened pool (block * block_size + offset), KV head kvh, as
+ * float32 into dst (n, d). Inlined into each target_clones copy, so the int8 loop is
+ * vectorized for that copy's instruction set. */
+static inline __attribute__((always_inline)) void load_rows(const void *cache, const uint16_t *scales, int kv_type,
+                                                            size_t row0, int kvh, int n_kv, int n, int d,
+                                                            float *restrict dst) {
+    const size_t stride = (size_t)n_kv * d;
     for (int j = 0; j < n; j++) {
-        if (f16)
-            halves_to_floats((const uint16_t *)cache + first + j * stride, dst + (size_t)j * d, d);
-        else
-            memcpy(dst + (size_t)j * d, (const float *)cache + first + j * stride, sizeof(float) * d);
+        const size_t row = row0 + j, first = row * stride + (size_t)kvh * d;
+        float *restrict dj = dst + (size_t)j * d;
+        if (kv_type == LM_KV_Q8) {
+            const int8_t *src = (const int8_t *)cache + first;
+            const float s = lm_half_to_float(scales[row * n_kv + kvh]);
+            for (int t = 0; t < d; t++) dj[t] = (float)src[t] * s;
+        } else if (kv_type == LM_KV_F16) {
+            halves_to_floats((const uint16_t *)cache + first, dj, d);
+        } else {
+            memcpy(dj, (const float *)cache + first, sizeof(float) * d);
+        }
     }
 }
 
@@ -109,7 +126,6 @@ static inline __attribute__((always_inline)) void item_body(const job_t *J, cons
     if (nh <= 0) return;
     const int ql = J->q_len[s], first_pos = J->ctx_len[s] - ql;
     const int32_t *table = J->tables + J->table_start[s];
-    const size_t stride = (size_t)J->n_kv * D;
 
     float *qv = scratch, *acc = qv + (size_t)nq * D, *m = acc + (size_t)nq * D, *l = m + nq;
     float *kb = l + nq, *vb = kb + (size_t)bs * D, *sc = vb + (size_t)bs * D;
@@ -130,9 +146,9 @@ static inline __attribute__((always_inline)) void item_body(const job_t *J, cons
     for (int b0 = (lo / bs) * bs; b0 <= hi; b0 += bs) {
         const int blk = table[b0 / bs];
         const int j0 = b0 > lo ? b0 : lo, j1 = b0 + bs - 1 < hi ? b0 + bs - 1 : hi, n = j1 - j0 + 1;
-        const size_t first = ((size_t)blk * bs + (j0 - b0)) * stride + (size_t)kvh * D;
-        load_rows(J->k, J->kv_f16, first, stride, n, D, kb);
-        load_rows(J->v, J->kv_f16, first, stride, n, D, vb);
+        const size_t row0 = (size_t)blk * bs + (j0 - b0);
+        load_rows(J->k, J->k_scales, J->kv_type, row0, kvh, J->n_kv, n, D, kb);
+        load_rows(J->v, J->v_scales, J->kv_type, row0, kvh, J->n_kv, n, D, vb);
         for (int x = 0; x < nq; x++) {
             const float *qx = qv + (size_t)x * D;
             const int p = pos[x], see_lo = J->n_swa > 0 ? p - J->n_swa + 1 : 0;
@@ -218,18 +234,21 @@ static void attend_part(void *arg, int part, int parts) {
     free(scratch);
 }
 
-int lm_paged_attention(const float *q, float *out, const void *k, const void *v, int kv_f16, int num_seqs,
-                       const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,
-                       const int32_t *tables, const int32_t *table_start, int block_size, int n_head,
-                       int n_kv, int head_dim, float scale, int n_swa, int n_threads) {
+int lm_paged_attention(const float *q, float *out, const void *k, const void *v, const uint16_t *k_scales,
+                       const uint16_t *v_scales, int kv_type, int num_seqs, const int32_t *q_start,
+                       const int32_t *q_len, const int32_t *ctx_len, const int32_t *tables,
+                       const int32_t *table_start, int block_size, int n_head, int n_kv, int head_dim, float scale,
+                       int n_swa, int n_threads) {
     if (n_kv <= 0 || n_head % n_kv != 0 || block_size <= 0 || head_dim <= 0) return LM_EINVAL;
+    if (kv_type != LM_KV_F32 && kv_type != LM_KV_F16 && kv_type != LM_KV_Q8) return LM_EINVAL;
+    if (kv_type == LM_KV_Q8 && (k_scales == NULL || v_scales == NULL)) return LM_EINVAL;
 #ifdef LM_HAVE_F16C
     if (cpu_has_f16c < 0) {
         __builtin_cpu_init();
         cpu_has_f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
     }
 #endif
-    job_t J = {q, out, k, v, kv_f16, q_start, q_len, ctx_len, tables, table_start,
+    job_t J = {q, out, k, v, k_scales, v_scales, kv_type, q_start, q_len, ctx_len, tables, table_start,
                block_size, n_head, n_kv, head_dim, n_swa, scale, 1, NULL, 0, 0, 0};
     const int group = n_head / n_kv;
     long tiles = 0;

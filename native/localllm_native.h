@@ -36,7 +36,12 @@ static inline float lm_half_to_float(uint16_t h) {
 #define LM_ENOMEM 2
 #define LM_MAX_THREADS 256
 
-#define LM_ABI_VERSION 2
+#define LM_ABI_VERSION 3 /* 3: lm_paged_attention takes kv_type and the q8_0 scales */
+
+/* What a KV pool holds (lm_paged_attention's kv_type). */
+#define LM_KV_F32 0
+#define LM_KV_F16 1
+#define LM_KV_Q8 2 /* int8 values, a float16 scale per token and KV head */
 
 /* Weight block formats, numbered as GGML's types. */
 #define LM_Q4_0 2
@@ -49,10 +54,11 @@ void lm_pool_use_openmp(void *parallel, void *thread_num, void *num_threads);
 
 int lm_abi_version(void);
 
-int lm_paged_attention(const float *q, float *out, const void *k, const void *v, int kv_f16, int num_seqs,
-                       const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,
-                       const int32_t *tables, const int32_t *table_start, int block_size, int n_head,
-                       int n_kv, int head_dim, float scale, int n_swa, int n_threads);
+int lm_paged_attention(const float *q, float *out, const void *k, const void *v, const uint16_t *k_scales,
+                       const uint16_t *v_scales, int kv_type, int num_seqs, const int32_t *q_start,
+                       const int32_t *q_len, const int32_t *ctx_len, const int32_t *tables,
+                       const int32_t *table_start, int block_size, int n_head, int n_kv, int head_dim, float scale,
+                       int n_swa, int n_threads);
 
 int lm_block_bytes(int wtype);
 int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N, float *y, int n_threads,

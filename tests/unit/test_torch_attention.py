@@ -66,12 +66,12 @@ def test_batch_slots_follow_the_block_tables():
     assert [(s.q_start, s.q_len, s.ctx_len, s.exact) for s in batch.spans] == [(0, 2, 7, True), (2, 3, 3, False)]
 
 
-def decoding_pool(seed: int):
-    """A float16 pool holding 300 positions of a 14-head, 2-KV-head sequence (blocks in reverse
-    order), its block table, and a query for every position."""
+def decoding_pool(seed: int, dtype=torch.float16):
+    """A pool (float16, or int8: q8_0) holding 300 positions of a 14-head, 2-KV-head sequence
+    (blocks in reverse order), its block table, and a query for every position."""
     g = torch.Generator().manual_seed(seed)
     n_head, n_kv, hd, length = 14, 2, 64, 300
-    pool = KVPool(1, num_blocks=24, block_size=16, n_kv_heads=n_kv, head_dim=hd, dtype=torch.float16)
+    pool = KVPool(1, num_blocks=24, block_size=16, n_kv_heads=n_kv, head_dim=hd, dtype=dtype)
     table = list(range(24))[::-1]
     pool.write(0, block_slots(table, length, 16), torch.randn(length, n_kv, hd, generator=g),
                torch.randn(length, n_kv, hd, generator=g))
@@ -79,10 +79,11 @@ def decoding_pool(seed: int):
     return pool, table, q
 
 
-def test_an_exact_position_decoded_alone_equals_it_checked_among_drafts():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int8], ids=["f16", "q8_0"])
+def test_an_exact_position_decoded_alone_equals_it_checked_among_drafts(dtype):
     """Bit for bit: the float32 result of a decode step's query equals that of the same query
     as the first row of a verify step (1 + k rows, the drafts' keys masked), whatever k."""
-    pool, table, q = decoding_pool(2)
+    pool, table, q = decoding_pool(2, dtype)
 
     def attend(start, num):
         return paged_attention(q[start:start + num], pool, 0, AttnBatch.build([(table, start, num, True)], 16, "cpu"),
@@ -183,7 +184,7 @@ def test_the_native_kernels_are_built_where_a_compiler_is():
 
 def scattered_batch(g, dtype, n_kv, hd, lengths, new, block_size=16, num_blocks=None):
     """A pool holding sequences of ``lengths`` positions in shuffled blocks, and the batch of
-    their last ``new`` positions."""
+    their last ``new`` positions. An int8 (q8_0) pool gets its random K/V through write."""
     need = [-(-n // block_size) for n in lengths]
     num_blocks = num_blocks or sum(need) + 3
     ids = torch.randperm(num_blocks, generator=g).tolist()
@@ -192,13 +193,17 @@ def scattered_batch(g, dtype, n_kv, hd, lengths, new, block_size=16, num_blocks=
         tables.append(ids[:k])
         ids = ids[k:]
     pool = KVPool(1, num_blocks, block_size, n_kv, hd, dtype=dtype)
-    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
-    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
+    if pool.is_quantized:
+        shape = (pool.num_slots, n_kv, hd)
+        pool.write(0, torch.arange(pool.num_slots), torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    else:
+        pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
+        pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
     return pool, [(t, n - m, m, m == 1) for t, n, m in zip(tables, lengths, new)]
 
 
 @pytest.mark.skipif(not native.available(), reason="localllm._native was not built here")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8], ids=["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("n_head,n_kv,hd", [(14, 2, 64), (4, 1, 256), (8, 8, 32), (4, 2, 8)])
 @pytest.mark.parametrize("n_swa", [0, 37])
 def test_native_attention_equals_the_reference(dtype, n_head, n_kv, hd, n_swa):
@@ -212,14 +217,21 @@ def test_native_attention_equals_the_reference(dtype, n_head, n_kv, hd, n_swa):
     want = paged_attention(q, pool, 0, AttnBatch.build(seqs, 16, "cpu"), scale, n_swa)
     for threads in (1, 2, 5):
         batch = AttnBatch.build(seqs, 16, "cpu", native=True)
-        got = native.paged_attention(q, pool.k[0], pool.v[0], batch.native_meta, scale, n_swa, threads)
+        got = native.paged_attention(q, pool.k[0], pool.v[0], batch.native_meta, scale, n_swa, threads,
+                                     **pool_scales(pool))
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+def pool_scales(pool: KVPool) -> dict:
+    """native.paged_attention's scale arguments for layer 0 of the pool (none for floats)."""
+    return {"k_scales": pool.k_scales[0], "v_scales": pool.v_scales[0]} if pool.is_quantized else {}
+
+
 @pytest.mark.skipif(not native.available(), reason="localllm._native was not built here")
-def test_batch_attend_uses_the_native_kernel_when_asked():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int8], ids=["f16", "q8_0"])
+def test_batch_attend_uses_the_native_kernel_when_asked(dtype):
     g = torch.Generator().manual_seed(3)
-    pool, seqs = scattered_batch(g, torch.float16, 2, 64, [70, 5], [1, 5])
+    pool, seqs = scattered_batch(g, dtype, 2, 64, [70, 5], [1, 5])
     q = torch.randn(6, 14, 64, generator=g)
     ref = AttnBatch.build(seqs, 16, "cpu")
     fast = AttnBatch.build(seqs, 16, "cpu", native=True)
@@ -231,16 +243,17 @@ def test_batch_attend_uses_the_native_kernel_when_asked():
 
 
 @pytest.mark.skipif(not native.available(), reason="localllm._native was not built here")
-def test_native_decode_row_equals_its_row_in_a_verify_step():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int8], ids=["f16", "q8_0"])
+def test_native_decode_row_equals_its_row_in_a_verify_step(dtype):
     """As the reference's: bit for bit, a decoded query alone and as the first row of a verify
     step, whatever the number of drafts or the threads (greedy output does not change with
     drafting on)."""
-    pool, table, q = decoding_pool(5)
+    pool, table, q = decoding_pool(5, dtype)
 
     def attend(start, num, threads):
         batch = AttnBatch.build([(table, start, num, True)], 16, "cpu", native=True)
         return native.paged_attention(q[start:start + num], pool.k[0], pool.v[0], batch.native_meta, 0.125, 0,
-                                      threads)
+                                      threads, **pool_scales(pool))
 
     for p in range(250, 290, 3):
         alone = attend(p, 1, 1)
@@ -253,5 +266,32 @@ def test_native_attention_refuses_a_pool_it_cannot_read():
     g = torch.Generator().manual_seed(6)
     pool, seqs = scattered_batch(g, torch.bfloat16, 2, 64, [20], [1])
     batch = AttnBatch.build(seqs, 16, "cpu", native=True)
-    with pytest.raises(ValueError, match="float16 or float32"):
+    with pytest.raises(ValueError, match="float16, float32 or int8"):
         native.paged_attention(torch.randn(1, 14, 64), pool.k[0], pool.v[0], batch.native_meta, 0.125)
+    q8, seqs = scattered_batch(g, torch.int8, 2, 64, [20], [1])
+    with pytest.raises(ValueError, match="needs its k_scales and v_scales"):
+        native.paged_attention(torch.randn(1, 14, 64), q8.k[0], q8.v[0], batch.native_meta, 0.125)
+    with pytest.raises(ValueError, match="contiguous float16 of shape"):
+        native.paged_attention(torch.randn(1, 14, 64), q8.k[0], q8.v[0], batch.native_meta, 0.125,
+                               k_scales=q8.k_scales[0].float(), v_scales=q8.v_scales[0].float())
+
+
+@pytest.mark.skipif(not native.available(), reason="localllm._native was not built here")
+def test_kernels_built_from_older_sources_are_never_called(monkeypatch):
+    """A build whose ABI is not this code's (one from before the q8_0 pool, say) would misread
+    the call: the library counts as missing, and a call says how to rebuild it."""
+    g = torch.Generator().manual_seed(7)
+    pool, seqs = scattered_batch(g, torch.int8, 2, 64, [20], [1])
+    batch = AttnBatch.build(seqs, 16, "cpu", native=True)
+    built = native.ABI_VERSION
+    monkeypatch.setattr(native, "ABI_VERSION", built + 1)
+    native._load.cache_clear()
+    try:
+        assert native.library() is None and not native.available() and native.is_outdated()
+        assert f"was built from older sources (ABI {built}, this code needs {built + 1})" in native.why_unavailable()
+        with pytest.raises(RuntimeError, match=r"older sources .*`pip install -e \.`"):
+            native.paged_attention(torch.randn(1, 14, 64), pool.k[0], pool.v[0], batch.native_meta, 0.125,
+                                   k_scales=pool.k_scales[0], v_scales=pool.v_scales[0])
+    finally:
+        monkeypatch.undo()
+        native._load.cache_clear()

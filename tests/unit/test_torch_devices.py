@@ -81,3 +81,30 @@ def test_reference_attention_runs_on_cuda_like_on_the_cpu():
         pool.v[0].copy_(v)
         outs[dev] = paged_attention(q.to(dev), pool, 0, AttnBatch.build(seqs, 16, dev), 0.125, 0).cpu()
     torch.testing.assert_close(outs["cuda"], outs["cpu"], atol=1e-4, rtol=1e-3)
+
+
+@cuda
+def test_a_q8_pool_works_on_cuda_like_on_the_cpu():
+    """The q8_0 pool's int8 + scale layout through the reference path on CUDA: the same bytes
+    (quantization rounds alike on both), attention as on the CPU, and prefix-cache bytes that
+    a CPU pool reads back."""
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(12 * 16, 2, 64, generator=g)
+    v = torch.randn(12 * 16, 2, 64, generator=g)
+    q = torch.randn(6, 14, 64, generator=g)
+    seqs = [([3, 7, 1, 9], 50, 1, True), ([0, 2], 20, 5, False)]
+    pools, outs = {}, {}
+    for dev in ("cpu", "cuda"):
+        pool = KVPool(1, 12, 16, 2, 64, dtype=torch.int8, device=dev)
+        pool.write(0, torch.arange(12 * 16, device=dev), k.to(dev), v.to(dev))
+        pools[dev] = pool
+        outs[dev] = paged_attention(q.to(dev), pool, 0, AttnBatch.build(seqs, 16, dev), 0.125, 0).cpu()
+    for name in ("k", "v", "k_scales", "v_scales"):
+        assert torch.equal(getattr(pools["cuda"], name)[0].cpu(), getattr(pools["cpu"], name)[0]), name
+    torch.testing.assert_close(outs["cuda"], outs["cpu"], atol=1e-4, rtol=1e-3)
+    slots = torch.tensor([5, 70, 3, 191])
+    payload = pools["cuda"].export_slots(slots)
+    assert bytes(payload) == bytes(pools["cpu"].export_slots(slots))
+    back = KVPool(1, 12, 16, 2, 64, dtype=torch.int8, device="cuda")
+    assert back.import_slots(slots.cuda(), payload)
+    assert torch.equal(back.k_scales[0].view(-1, 2)[slots.cuda()].cpu(), pools["cpu"].k_scales[0].view(-1, 2)[slots])

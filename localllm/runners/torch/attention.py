@@ -7,12 +7,23 @@ block ``block_table[p // block_size]``, row ``p % block_size``: viewed flat, at 
 block ids, so nothing is copied, and nothing is ever dropped from the pool by a window:
 rolling back drafts or reusing a prefix of a sliding-window model is exact.
 
+A q8_0 pool (``dtype=torch.int8``, CacheConfig's "q8_0") keeps K and V as int8 of the same
+shape plus float16 scales ``[num_blocks, block_size, n_kv_heads]``: one scale per token and
+KV head, symmetric (scale = absmax / 127, q = round(x / scale) in [-127, 127]; a zero row has
+scale 0). That is 2 * head_dim + 4 bytes per token, head and layer against 4 * head_dim for
+float16 (Qwen2.5-0.5B, head_dim 64: 128 / 66 = 1.94 times fewer). Readers dequantize q *
+scale in float32, where it is exact (8 bits times 11 fit in float32's 24), so every reader
+sees the very same K/V values.
+
 For the on-disk prefix cache the pool writes the K/V of a list of slots as flat bytes and
 reads them back (``export_slots`` / ``import_slots``): a header ``KV_HEADER`` (magic,
 version, dtype code, n_layer, n_kv_heads, head_dim, num_tokens; little-endian u32s), then per
 layer K then V, each ``(num_tokens, n_kv_heads, head_dim)`` in the pool's dtype, positions in
 order. Worked example: 2 layers, 2 KV heads of 4, f16, 3 positions: 32 header bytes, then
-4 arrays of 3 * 2 * 4 halves (48 bytes each), 224 bytes in all.
+4 arrays of 3 * 2 * 4 halves (48 bytes each), 224 bytes in all. A q8_0 pool (dtype code 4)
+writes its scales first, per layer K then V, each ``(num_tokens, n_kv_heads)`` float16, then
+the int8 K/V as above (every part then starts at a multiple of its element size): the same
+example takes 32 + 4 * 3 * 2 * 2 + 4 * 3 * 2 * 4 = 176 bytes.
 
 A step's batch is flattened: the new tokens of every scheduled sequence one after another
 (no padding). ``AttnBatch`` says where each sequence's queries start, how many there are,
@@ -25,6 +36,7 @@ the pure-torch reference ``paged_attention`` otherwise; the tests hold the two t
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 
@@ -33,7 +45,25 @@ import torch
 KV_HEADER = struct.Struct("<8s6I")  # magic, version, dtype code, n_layer, n_kv_heads, head_dim, num_tokens
 KV_MAGIC = b"LLMTORKV"
 KV_VERSION = 1
-KV_DTYPE_CODES = {torch.float16: 1, torch.float32: 2, torch.bfloat16: 3}
+KV_DTYPE_CODES = {torch.float16: 1, torch.float32: 2, torch.bfloat16: 3, torch.int8: 4}  # int8: q8_0
+Q8_MAX = 127
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., hd) -> int8 q (..., hd) and float16 scales (...): one symmetric scale per row,
+    absmax / 127 rounded to float16, q = round(x / scale) (to nearest, ties to even) with that
+    rounded scale, clamped to [-127, 127]. A zero row gets scale 0 and q 0. Rows with NaN or
+    inf are not representable: they come back as NaN or 0."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1) / Q8_MAX).to(torch.float16)
+    s = scale.float()[..., None]
+    q = torch.where(s > 0, xf / s, 0.0).round_().clamp_(-Q8_MAX, Q8_MAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 q (..., hd) and its scales (...) -> float32 q * scale (exact in float32)."""
+    return q.to(torch.float32) * scale.to(torch.float32)[..., None]
 
 
 def block_slots(block_table: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
@@ -43,66 +73,124 @@ def block_slots(block_table: list[int], num_tokens: int, block_size: int) -> tor
 
 
 class KVPool:
+    """Per layer K and V ``[num_blocks, block_size, n_kv_heads, head_dim]`` in ``dtype``:
+    float16, float32 or bfloat16, or torch.int8 for q8_0 (then also ``k_scales`` / ``v_scales``
+    ``[num_blocks, block_size, n_kv_heads]`` float16; empty lists for a float pool)."""
+
     def __init__(self, n_layer: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float16, device: str | torch.device = "cpu"):
+        if dtype not in KV_DTYPE_CODES:
+            raise ValueError(f"a KV pool holds float16, float32, bfloat16 or int8 (q8_0), not {dtype}")
         self.block_size = block_size
+        self.num_slots = num_blocks * block_size
         self.dtype = dtype
         shape = (num_blocks, block_size, n_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        num_scaled = n_layer if self.is_quantized else 0
+        self.k_scales = [torch.zeros(shape[:3], dtype=torch.float16, device=device) for _ in range(num_scaled)]
+        self.v_scales = [torch.zeros(shape[:3], dtype=torch.float16, device=device) for _ in range(num_scaled)]
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.dtype == torch.int8
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the pool's tensors take (K, V and any scales), measured from their storage."""
+        return sum(t.untyped_storage().nbytes() for t in self.k + self.v + self.k_scales + self.v_scales)
 
     @property
     def bytes_per_token(self) -> int:
-        k = self.k[0]
-        return 2 * len(self.k) * k.shape[2] * k.shape[3] * k.element_size()
+        """Bytes of one position across every layer, K and V and any scales."""
+        return self.nbytes // self.num_slots
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the new tokens' keys and values (N, n_kv, hd) at their slots (N,)."""
+        """Store the new tokens' keys and values (N, n_kv, hd) at their slots (N,); a q8_0 pool
+        quantizes them (quantize_rows)."""
         n_kv, hd = k.shape[1], k.shape[2]
+        if self.is_quantized:
+            for pool, scales, x in ((self.k[layer], self.k_scales[layer], k),
+                                    (self.v[layer], self.v_scales[layer], v)):
+                q, scale = quantize_rows(x)  # (N, n_kv, hd), (N, n_kv)
+                pool.view(-1, n_kv, hd).index_copy_(0, slots, q)
+                scales.view(-1, n_kv).index_copy_(0, slots, scale)
+            return
         self.k[layer].view(-1, n_kv, hd).index_copy_(0, slots, k.to(self.k[layer].dtype))
         self.v[layer].view(-1, n_kv, hd).index_copy_(0, slots, v.to(self.v[layer].dtype))
+
+    def gather(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values at ``slots`` (L,), each (L, n_kv, hd) in ``dtype``; a q8_0 pool
+        dequantizes them (in float32, exactly, then to ``dtype``)."""
+        _, _, n_kv, hd = self.k[layer].shape
+        k = self.k[layer].view(-1, n_kv, hd).index_select(0, slots)
+        v = self.v[layer].view(-1, n_kv, hd).index_select(0, slots)
+        if self.is_quantized:
+            k = dequantize_rows(k, self.k_scales[layer].view(-1, n_kv).index_select(0, slots))
+            v = dequantize_rows(v, self.v_scales[layer].view(-1, n_kv).index_select(0, slots))
+        return k.to(dtype), v.to(dtype)
 
     def _header(self, num_tokens: int) -> tuple:
         _, _, n_kv, hd = self.k[0].shape
         return KV_MAGIC, KV_VERSION, KV_DTYPE_CODES[self.dtype], len(self.k), n_kv, hd, num_tokens
 
+    def _parts(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """The (K, V) tensor lists in the order the bytes hold them: scales first, if any."""
+        return ([(self.k_scales, self.v_scales)] if self.is_quantized else []) + [(self.k, self.v)]
+
+    @staticmethod
+    def _part_size(ks: list[torch.Tensor], num_tokens: int) -> int:
+        return 2 * len(ks) * num_tokens * math.prod(ks[0].shape[2:]) * ks[0].element_size()
+
+    def _payload_size(self, num_tokens: int) -> int:
+        return KV_HEADER.size + sum(self._part_size(ks, num_tokens) for ks, _ in self._parts())
+
+    def _views(self, data: torch.Tensor, num_tokens: int) -> list[torch.Tensor]:
+        """data (uint8 payload) -> per part a (n_layer, 2, num_tokens, *row) view of it."""
+        views, offset = [], KV_HEADER.size
+        for ks, _ in self._parts():
+            row, size = ks[0].shape[2:], self._part_size(ks, num_tokens)
+            views.append(data[offset:offset + size].view(ks[0].dtype).view(len(ks), 2, num_tokens, *row))
+            offset += size
+        return views
+
     def export_slots(self, slots: torch.Tensor) -> memoryview:
         """The K/V at ``slots`` (N,) as bytes in the layout above (on the CPU; one gather per
         layer and per K/V, written straight into the returned buffer on a CPU pool)."""
-        n_layer, (_, _, n_kv, hd), n = len(self.k), self.k[0].shape, len(slots)
+        n = len(slots)
         slots = slots.to(self.k[0].device)
-        buf = torch.empty(KV_HEADER.size + 2 * n_layer * n * n_kv * hd * self.k[0].element_size(), dtype=torch.uint8)
+        buf = torch.empty(self._payload_size(n), dtype=torch.uint8)
         buf[:KV_HEADER.size] = torch.frombuffer(bytearray(KV_HEADER.pack(*self._header(n))), dtype=torch.uint8)
-        kv = buf[KV_HEADER.size:].view(self.dtype).view(n_layer, 2, n, n_kv, hd)
-        for layer in range(n_layer):
-            for i, pool in enumerate((self.k[layer], self.v[layer])):
-                flat = pool.view(-1, n_kv, hd)
-                if flat.device.type == "cpu":
-                    torch.index_select(flat, 0, slots, out=kv[layer, i])
-                else:
-                    kv[layer, i].copy_(flat.index_select(0, slots))
+        for (ks, vs), out in zip(self._parts(), self._views(buf, n)):
+            for layer in range(len(ks)):
+                for i, pool in enumerate((ks[layer], vs[layer])):
+                    flat = pool.view(-1, *pool.shape[2:])
+                    if flat.device.type == "cpu":
+                        torch.index_select(flat, 0, slots, out=out[layer, i])
+                    else:
+                        out[layer, i].copy_(flat.index_select(0, slots))
         return memoryview(buf.numpy())
 
     def import_slots(self, slots: torch.Tensor, payload) -> bool:
         """Write the first N positions of ``export_slots`` bytes at ``slots`` (N,). False, and
-        nothing written, when the bytes are not of this pool's layout (magic, version, dtype,
-        layers, heads) or hold fewer than N positions."""
+        nothing written, when the bytes are not of this pool's layout (magic, version, dtype
+        (an f16 payload is never read into a q8_0 pool, nor the other way), layers, heads) or
+        hold fewer than N positions."""
         view = memoryview(payload).cast("B")
         if view.nbytes < KV_HEADER.size:
             return False
         header = KV_HEADER.unpack_from(view)
-        n_layer, (_, _, n_kv, hd), n = len(self.k), self.k[0].shape, header[-1]
-        size = KV_HEADER.size + 2 * n_layer * n * n_kv * hd * self.k[0].element_size()
-        if header[:-1] != self._header(n)[:-1] or n < len(slots) or view.nbytes != size:
+        n = header[-1]
+        if header[:-1] != self._header(n)[:-1] or n < len(slots) or view.nbytes != self._payload_size(n):
             return False
         if view.readonly:  # torch.frombuffer wants a writable buffer, though it only reads it here
             view = memoryview(bytearray(view))
         data = torch.frombuffer(view, dtype=torch.uint8)
-        kv = data[KV_HEADER.size:].view(self.dtype).view(n_layer, 2, n, n_kv, hd)[:, :, :len(slots)]
         slots = slots.to(self.k[0].device)
-        for layer in range(n_layer):
-            for i, pool in enumerate((self.k[layer], self.v[layer])):
-                pool.view(-1, n_kv, hd).index_copy_(0, slots, kv[layer, i].to(pool.device))
+        for (ks, vs), part in zip(self._parts(), self._views(data, n)):
+            for layer in range(len(ks)):
+                for i, pool in enumerate((ks[layer], vs[layer])):
+                    pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, part[layer, i, :len(slots)].to(pool.device))
         return True
 
 
@@ -155,7 +243,9 @@ class AttnBatch:
         if self.native_meta is not None and q.dtype == torch.float32:
             from localllm.runners.torch import native
 
-            return native.paged_attention(q, pool.k[layer], pool.v[layer], self.native_meta, scale, n_swa)
+            scales = (pool.k_scales[layer], pool.v_scales[layer]) if pool.is_quantized else (None, None)
+            return native.paged_attention(q, pool.k[layer], pool.v[layer], self.native_meta, scale, n_swa,
+                                          k_scales=scales[0], v_scales=scales[1])
         return paged_attention(q, pool, layer, self, scale, n_swa)
 
 
@@ -178,18 +268,17 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, batch: AttnBatch,
     matmuls sum in an order that depends on the matrices' shapes, so a position decoded alone
     and the same position checked among drafts would differ in their last bits, and the
     bfloat16 activations downstream can turn that into another greedy token; in float64 both
-    round to the same float32, so drafting never changes greedy output."""
+    round to the same float32, so drafting never changes greedy output. A q8_0 pool's K/V are
+    dequantized as they are gathered (KVPool.gather)."""
     out = torch.empty_like(q)
     _, _, n_kv, hd = pool.k[layer].shape
-    k_flat = pool.k[layer].view(-1, n_kv, hd)
-    v_flat = pool.v[layer].view(-1, n_kv, hd)
     group = q.shape[1] // n_kv
     for span in batch.spans:
         n, dt = span.q_len, torch.float64 if span.exact else q.dtype
         qs = q[span.q_start:span.q_start + n].to(dt).view(n, n_kv, group, hd)
         qs = qs.permute(1, 2, 0, 3).reshape(n_kv, group * n, hd)  # (n_kv, g*q, hd), head = kv*g + g'
-        k = k_flat.index_select(0, span.ctx_slots).to(dt).permute(1, 2, 0)  # (n_kv, hd, L)
-        v = v_flat.index_select(0, span.ctx_slots).to(dt).transpose(0, 1)  # (n_kv, L, hd)
+        k, v = pool.gather(layer, span.ctx_slots, dt)  # (L, n_kv, hd) each
+        k, v = k.permute(1, 2, 0), v.transpose(0, 1)  # (n_kv, hd, L), (n_kv, L, hd)
         q_pos = torch.arange(span.ctx_len - n, span.ctx_len, device=q.device)
         k_pos = torch.arange(span.ctx_len, device=q.device)
         mask = _mask(q_pos, k_pos, n_swa)  # (q, L)

@@ -14,29 +14,49 @@ import importlib.util
 
 import torch
 
-ABI_VERSION = 2  # native/localllm_native.h's LM_ABI_VERSION
+ABI_VERSION = 3  # native/localllm_native.h's LM_ABI_VERSION
+# What a KV pool holds, as native/attention.c numbers it (LM_KV_*): int8 is q8_0, with scales.
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
+REBUILD = "rebuild localllm's native kernels with `pip install -e .` (a C compiler is needed)"
 # GGUF block formats the native matmul reads in place (GGML's type numbers).
 BLOCK_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8}
 BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34}
 _ERRORS = {1: "invalid arguments", 2: "out of memory"}
 
 
-@functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None when the package was built without them."""
+    """The compiled kernels, or None when the package was built without them or they were
+    built from other sources than this code's (``why_unavailable`` says which)."""
+    return _load()[0]
+
+
+def why_unavailable() -> str | None:
+    """Why ``library()`` is None, in words; None when it is not."""
+    return _load()[1]
+
+
+def is_outdated() -> bool:
+    """Whether the kernels are there but were built from other sources (so never called)."""
+    return _load()[2]
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str | None, bool]:
     spec = importlib.util.find_spec("localllm._native")
     if spec is None or not spec.origin:
-        return None
+        return None, "localllm._native was not built (no C compiler when the package was installed)", False
     try:
         lib = ctypes.CDLL(spec.origin)
-    except OSError:
-        return None
+    except OSError as e:
+        return None, f"localllm._native ({spec.origin}) does not load: {e}", False
     lib.lm_abi_version.restype = ctypes.c_int
     if lib.lm_abi_version() != ABI_VERSION:
-        return None
+        # An older build would misread this code's calls (a q8_0 pool, for one): never call it.
+        return None, (f"localllm._native ({spec.origin}) was built from older sources (ABI "
+                      f"{lib.lm_abi_version()}, this code needs {ABI_VERSION})"), True
     vp, ci = ctypes.c_void_p, ctypes.c_int
     lib.lm_paged_attention.restype = ci
-    lib.lm_paged_attention.argtypes = [vp, vp, vp, vp, ci, ci, vp, vp, vp, vp, vp, ci, ci, ci, ci,
+    lib.lm_paged_attention.argtypes = [vp, vp, vp, vp, vp, vp, ci, ci, vp, vp, vp, vp, vp, ci, ci, ci, ci,
                                        ctypes.c_float, ci, ci]
     lib.lm_qmatmul.restype = ci
     lib.lm_qmatmul.argtypes = [vp, ci, ci, vp, ci, ci, vp, ci, ci]
@@ -45,7 +65,7 @@ def library() -> ctypes.CDLL | None:
     lib.lm_pool_use_openmp.restype = None
     lib.lm_pool_use_openmp.argtypes = [vp, vp, vp]
     _share_torchs_threads(lib)
-    return lib
+    return lib, None, False
 
 
 def _share_torchs_threads(lib: ctypes.CDLL) -> None:
@@ -74,20 +94,41 @@ def available() -> bool:
     return library() is not None
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
-                    n_swa: int = 0, n_threads: int | None = None) -> torch.Tensor:
-    """native/attention.c over one layer's pool: q (N, n_head, hd) float32 -> (N, n_head, hd).
-    meta: the batch's int32 tensors (q_start, q_len, ctx_len, tables, table_start)."""
+def _required() -> ctypes.CDLL:
     lib = library()
-    if k_cache.dtype not in (torch.float16, torch.float32) or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(f"the native attention reads contiguous float16 or float32 pools, not {k_cache.dtype}")
+    if lib is None:
+        raise RuntimeError(f"{why_unavailable()}; {REBUILD}, or run the torch runner without them")
+    return lib
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
+                    n_swa: int = 0, n_threads: int | None = None, k_scales: torch.Tensor | None = None,
+                    v_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """native/attention.c over one layer's pool: q (N, n_head, hd) float32 -> (N, n_head, hd).
+    k_cache / v_cache: (num_blocks, block_size, n_kv, hd) float32, float16, or int8 (q8_0:
+    then k_scales / v_scales (num_blocks, block_size, n_kv) float16 too, see KVPool).
+    meta: the batch's int32 tensors (q_start, q_len, ctx_len, tables, table_start).
+    Raises ValueError for a pool of another dtype or layout (it would be misread), and
+    RuntimeError when the kernels are missing or older than this code (rebuild them)."""
+    lib = _required()
+    if k_cache.dtype not in KV_TYPES or v_cache.dtype != k_cache.dtype or not (
+            k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"the native attention reads contiguous float16, float32 or int8 (q8_0) pools, "
+                         f"not {k_cache.dtype} / {v_cache.dtype}")
+    quantized = k_cache.dtype == torch.int8
+    if quantized != (k_scales is not None) or quantized != (v_scales is not None):
+        raise ValueError("an int8 (q8_0) pool needs its k_scales and v_scales, and a float pool takes none")
+    if quantized and not all(s.dtype == torch.float16 and s.is_contiguous() and s.shape == k_cache.shape[:3]
+                             for s in (k_scales, v_scales)):
+        raise ValueError(f"q8_0 scales must be contiguous float16 of shape {tuple(k_cache.shape[:3])}")
     q = q.contiguous()
     out = torch.empty_like(q)
     q_start, q_len, ctx_len, tables, table_start = meta
     _, block_size, n_kv, head_dim = k_cache.shape
     rc = lib.lm_paged_attention(
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        1 if k_cache.dtype == torch.float16 else 0, q_len.numel(),
+        k_scales.data_ptr() if quantized else None, v_scales.data_ptr() if quantized else None,
+        KV_TYPES[k_cache.dtype], q_len.numel(),
         q_start.data_ptr(), q_len.data_ptr(), ctx_len.data_ptr(), tables.data_ptr(), table_start.data_ptr(),
         block_size, q.shape[1], n_kv, head_dim, scale, n_swa,
         n_threads if n_threads is not None else torch.get_num_threads())
@@ -108,7 +149,7 @@ def qmatmul(x: torch.Tensor, blocks: torch.Tensor, kind: str, n_threads: int | N
     if not blocks.is_contiguous() or blocks.shape[1] * 32 != k * BLOCK_BYTES[kind]:
         raise ValueError(f"{kind} blocks of shape {tuple(blocks.shape)} do not hold a ({n}, {k}) matrix")
     y = torch.empty(m, n, dtype=torch.float32)
-    rc = library().lm_qmatmul(x.data_ptr(), m, k, blocks.data_ptr(), BLOCK_TYPES[kind], n, y.data_ptr(),
+    rc = _required().lm_qmatmul(x.data_ptr(), m, k, blocks.data_ptr(), BLOCK_TYPES[kind], n, y.data_ptr(),
                               n_threads if n_threads is not None else torch.get_num_threads(), int(force_scalar))
     if rc:
         raise RuntimeError(f"native qmatmul failed: {_ERRORS.get(rc, rc)}")
@@ -120,7 +161,7 @@ def dequantize(blocks: torch.Tensor, kind: str, k: int) -> torch.Tensor:
     unpacks them (the tests hold this to the gguf package's dequantization)."""
     n = blocks.shape[0]
     out = torch.empty(n, k, dtype=torch.float32)
-    rc = library().lm_dequantize(blocks.contiguous().data_ptr(), BLOCK_TYPES[kind], n, k, out.data_ptr())
+    rc = _required().lm_dequantize(blocks.contiguous().data_ptr(), BLOCK_TYPES[kind], n, k, out.data_ptr())
     if rc:
         raise RuntimeError(f"native dequantize failed: {_ERRORS.get(rc, rc)}")
     return out

@@ -12,6 +12,7 @@ weights loaded), so both runners see the same token ids.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,10 @@ from localllm.runners.torch.layers import LayerSource
 from localllm.runners.torch.weight_cache import WeightCache
 from localllm.runners.torch.weights import GGUFWeights
 
-KV_DTYPES = {"f16": torch.float16, "f32": torch.float32}
+# CacheConfig.kv_dtype -> the KVPool's dtype (int8: q8_0, int8 K/V with a float16 scale per
+# token and KV head; see attention.py).
+KV_DTYPES = {"f16": torch.float16, "f32": torch.float32, "q8_0": torch.int8}
+log = logging.getLogger("localllm.torch")
 
 
 def pick_device() -> torch.device:
@@ -103,6 +107,9 @@ class TorchRunner:
         self.n_swa = 0
         on_cpu = self.device.type == "cpu"
         self.native = (native_kernels.available() and on_cpu) if native is None else (native and on_cpu)
+        if on_cpu and native is None and native_kernels.is_outdated():
+            log.warning("%s; using the slower pure-torch kernels: rebuild them with `pip install -e .`",
+                        native_kernels.why_unavailable())
         st = path.stat()
         self.fingerprint = (f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|torch {torch.__version__}|"
                             f"{self.weights_scheme}|kv {config.cache.kv_dtype}").encode()
