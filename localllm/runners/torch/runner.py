@@ -114,7 +114,7 @@ class TorchRunner:
         self.fingerprint = (f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|torch {torch.__version__}|"
                             f"{self.weights_scheme}|kv {config.cache.kv_dtype}").encode()
         self._lengths: dict[int, int] = {}  # seq_id -> positions it has KV for
-        self.kv_bytes = sum(t.nbytes for t in self.pool.k + self.pool.v)  # measured from the pool
+        self.kv_bytes = self.pool.nbytes  # measured from the pool's tensors, scales included
 
     # -- a step -------------------------------------------------------------------------
 
