@@ -14,9 +14,9 @@ cache moves the real files' logits as much (Qwen 2.61 against our 2.63, Gemma 3 
 
 Random weights give many near ties (top-2 margins of 0.01 and less), so greedy runs part
 after a while even between float16 and float32 (qwen2, prompt 0, step 11: a margin of 7e-4).
-Where q8_0 parts from float16, measured: qwen2 at steps 11 (a margin of 1e-5), 41 and 29;
-llama 48 (never), 19, 48; gemma3 9, 30, 48; each at a margin under 0.017. Held: the first
-MIN_AGREE tokens of every run, and on qwen2 the first AGREE of prompts 1 and 2.
+Where q8_0 (keys smoothed, see runner.key_smoothing) parts from float16, measured: qwen2 at
+steps 48 (never), 48, 29; llama 48, 2, 14; gemma3 38, 7, 48; each where float16 rated the two
+tokens within 0.025 of each other. Held: every parting is at such a near tie (NEAR_TIE).
 """
 
 from __future__ import annotations
@@ -42,8 +42,7 @@ ARCHS = ["qwen2", "llama", "gemma3"]
 PROMPTS = ["Hello world, the cat is in the hat!", "def f(x):\n    return 42", "a b c d e f g h i j k l m n o p"]
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 TOLERANCE = 0.2
-MIN_AGREE = 8
-AGREE = 24
+NEAR_TIE = 0.05
 
 
 def tiny_config(path: Path, kv_dtype: str, **kwargs) -> EngineConfig:
@@ -96,12 +95,15 @@ def test_q8_logits_stay_near_f16s_while_the_tokens_agree(runs):
         assert worst > 0  # the pool is 8-bit indeed
 
 
-def test_q8_greedy_tokens_follow_f16s(runs):
+def test_q8_greedy_tokens_part_from_f16s_only_at_near_ties(runs):
+    """Where a q8_0 run first takes another token than the f16 run, the f16 logits rated the
+    two within NEAR_TIE of each other: 8 bits decided a coin toss, nothing more."""
     arch, results = runs
-    for i, ((ref_tokens, _), (tokens, _)) in enumerate(zip(results["f16"], results["q8_0"])):
-        assert tokens[:MIN_AGREE] == ref_tokens[:MIN_AGREE], (arch, i)
-        if arch == "qwen2" and i > 0:
-            assert tokens[:AGREE] == ref_tokens[:AGREE], i
+    for i, ((ref_tokens, ref_rows), (tokens, _)) in enumerate(zip(results["f16"], results["q8_0"])):
+        d = first_difference(ref_tokens, tokens)
+        if d < len(ref_tokens):
+            margin = float(ref_rows[d][ref_tokens[d]] - ref_rows[d][tokens[d]])
+            assert 0 <= margin < NEAR_TIE, (arch, i, d, margin)
 
 
 @pytest.mark.skipif(not native.available(), reason="localllm._native was not built here")
@@ -119,7 +121,9 @@ def test_the_native_kernel_and_the_reference_agree_on_a_q8_pool(tmp_path):
     for (tokens, rows), (ref_tokens, ref_rows) in zip(outs[True], outs[False]):
         assert tokens == ref_tokens
         worst = max(float(np.abs(a - b).max()) for a, b in zip(rows, ref_rows))
-        assert worst <= 1e-4, f"native and reference differ by {worst:.2e} on a q8_0 pool"
+        # Measured 3.4e-4: the float32 sums run in other orders, and the smoothed queries (up
+        # to several times larger on the random models' channels) carry larger rounding.
+        assert worst <= 1e-3, f"native and reference differ by {worst:.2e} on a q8_0 pool"
 
 
 def test_an_f16_pools_prefix_cache_is_never_loaded_into_a_q8_pool(tmp_path):
@@ -139,7 +143,7 @@ def test_an_f16_pools_prefix_cache_is_never_loaded_into_a_q8_pool(tmp_path):
     f16_print, n, first = answer("f16")
     assert first.metrics.num_disk_cached_tokens == 0 and n > 64
     q8_print, _, q8 = answer("q8_0")
-    assert f16_print.endswith(b"|kv f16") and q8_print.endswith(b"|kv q8_0")
+    assert f16_print.endswith(b"|kv f16") and q8_print.endswith(b"|kv q8_0 smooth1")
     assert q8.metrics.num_disk_cached_tokens == 0  # the f16 entry is another model's to it
     again = answer("q8_0")[2]  # its own entry, written by the run before
     assert again.metrics.num_disk_cached_tokens == n - 1 and again.token_ids == q8.token_ids

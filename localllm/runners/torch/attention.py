@@ -90,6 +90,26 @@ class KVPool:
         num_scaled = n_layer if self.is_quantized else 0
         self.k_scales = [torch.zeros(shape[:3], dtype=torch.float16, device=device) for _ in range(num_scaled)]
         self.v_scales = [torch.zeros(shape[:3], dtype=torch.float16, device=device) for _ in range(num_scaled)]
+        self.k_smooth: list[torch.Tensor] | None = None  # see set_key_smoothing
+
+    def set_key_smoothing(self, smooth: list[torch.Tensor]) -> None:
+        """Per layer (n_kv, hd) positive factors s: a q8_0 pool stores K / s, and attention
+        multiplies the queries by s, so q . k is unchanged (smoothing, as SmoothQuant does
+        for activations). A few channels of K are several times larger than the rest in every
+        token (biases, norm weights); one 8-bit scale per token and head would leave the
+        others a few levels. Dividing them out first gives every channel the same share of
+        the 8 bits. Set once, before anything is written: the stored bytes depend on s."""
+        if not self.is_quantized:
+            raise ValueError("only a q8_0 pool smooths its keys")
+        self.k_smooth = [x.to(device=self.k[0].device, dtype=torch.float32) for x in smooth]
+
+    def smooth_queries(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        """q (N, n_head, hd) times the layer's key smoothing (each query head takes its KV
+        head's factors); q itself where there is none."""
+        if self.k_smooth is None:
+            return q
+        s = self.k_smooth[layer]
+        return (q.float() * s.repeat_interleave(q.shape[1] // s.shape[0], dim=0)).to(q.dtype)
 
     @property
     def is_quantized(self) -> bool:
@@ -110,6 +130,8 @@ class KVPool:
         quantizes them (quantize_rows)."""
         n_kv, hd = k.shape[1], k.shape[2]
         if self.is_quantized:
+            if self.k_smooth is not None:
+                k = k.float() / self.k_smooth[layer]
             for pool, scales, x in ((self.k[layer], self.k_scales[layer], k),
                                     (self.v[layer], self.v_scales[layer], v)):
                 q, scale = quantize_rows(x)  # (N, n_kv, hd), (N, n_kv)
@@ -121,7 +143,8 @@ class KVPool:
 
     def gather(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values at ``slots`` (L,), each (L, n_kv, hd) in ``dtype``; a q8_0 pool
-        dequantizes them (in float32, exactly, then to ``dtype``)."""
+        dequantizes them (in float32, exactly, then to ``dtype``): its keys as stored, divided
+        by any smoothing (the queries carry it, see set_key_smoothing)."""
         _, _, n_kv, hd = self.k[layer].shape
         k = self.k[layer].view(-1, n_kv, hd).index_select(0, slots)
         v = self.v[layer].view(-1, n_kv, hd).index_select(0, slots)
@@ -240,6 +263,7 @@ class AttnBatch:
 
     def attend(self, q: torch.Tensor, pool: KVPool, layer: int, scale: float, n_swa: int = 0) -> torch.Tensor:
         """Attention of the batch's queries q (N, n_head, hd) over the pool's layer."""
+        q = pool.smooth_queries(q, layer)
         if self.native_meta is not None and q.dtype == torch.float32:
             from localllm.runners.torch import native
 

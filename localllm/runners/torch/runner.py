@@ -52,6 +52,41 @@ def architecture(path: Path) -> str | None:
     return read_info(path).architecture
 
 
+KEY_SMOOTHING = "smooth1"  # names key_smoothing's rule in the fingerprint: stored q8_0 keys depend on it
+
+
+def key_smoothing(weights: GGUFWeights, c, alpha: float = 0.5) -> list[torch.Tensor]:
+    """Per layer (n_kv, hd): how large each channel of K typically is, from the weights alone
+    (the same for every run of the file, so stored prefixes stay valid), normalized to mean 1
+    and raised to ``alpha`` (0.5 measured best on Qwen2.5-0.5B: top-1 94.7 % and KL 0.0046
+    against llama.cpp f16 over the eval text, against 88.9 % and 0.025 unsmoothed and 95.5 %
+    and 0.0036 for an f16 cache).
+
+    A channel's size: with QK-norm, its norm weight; otherwise sqrt(sum_i (W_ci g_i)^2 + b_c^2)
+    for the K projection W, its bias b and the attention norm's weight g (the spread of
+    W (g * x) for a unit-RMS x). Rope turns pairs of channels into each other, either
+    neighbours or halves by family, so each channel takes the larger of its two possible
+    pairs' sizes: a pairing guessed wrong costs precision, never range (each token's scale
+    still comes from its own absmax)."""
+    out = []
+    for layer in range(c.n_layer):
+        p = f"blk.{layer}"
+        if weights.has(f"{p}.attn_k_norm.weight"):
+            size2 = weights.get(f"{p}.attn_k_norm.weight").abs().square().expand(c.n_head_kv, c.head_dim)
+        else:
+            w = weights.get(f"{p}.attn_k.weight") * weights.get(f"{p}.attn_norm.weight")
+            size2 = w.square().sum(-1)
+            if weights.has(f"{p}.attn_k.bias"):
+                size2 = size2 + weights.get(f"{p}.attn_k.bias").square()
+            size2 = size2.view(c.n_head_kv, c.head_dim)
+        half = c.head_dim // 2
+        halves = size2 + torch.cat([size2[:, half:], size2[:, :half]], -1)
+        neighbours = size2 + size2.view(c.n_head_kv, half, 2).flip(-1).reshape(c.n_head_kv, c.head_dim)
+        size = torch.maximum(halves, neighbours).sqrt().clamp(min=1e-6)
+        out.append((size / size.mean(-1, keepdim=True)) ** alpha)
+    return out
+
+
 class TorchRunner:
     name = "torch"
 
@@ -102,6 +137,8 @@ class TorchRunner:
         self.kv_dtype = KV_DTYPES[config.cache.kv_dtype]
         self.pool = KVPool(c.n_layer, config.cache.num_blocks, self.block_size, c.n_head_kv, c.head_dim,
                            self.kv_dtype, self.device)
+        if self.pool.is_quantized:
+            self.pool.set_key_smoothing(key_smoothing(weights, c))
         # Nothing slides out of the pool, so rollbacks and prefixes are exact on every model:
         # to the engine this runner has no window.
         self.n_swa = 0
@@ -112,7 +149,8 @@ class TorchRunner:
                         native_kernels.why_unavailable())
         st = path.stat()
         self.fingerprint = (f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|torch {torch.__version__}|"
-                            f"{self.weights_scheme}|kv {config.cache.kv_dtype}").encode()
+                            f"{self.weights_scheme}|kv {config.cache.kv_dtype}"
+                            f"{' ' + KEY_SMOOTHING if self.pool.is_quantized else ''}").encode()
         self._lengths: dict[int, int] = {}  # seq_id -> positions it has KV for
         self.kv_bytes = self.pool.nbytes  # measured from the pool's tensors, scales included
 
