@@ -14,6 +14,8 @@ torch = pytest.importorskip("torch")
 from localllm.runners.torch.attention import (  # noqa: E402
     KV_HEADER, KV_MAGIC, AttnBatch, KVPool, block_slots, dequantize_rows, paged_attention, quantize_rows)
 
+from test_torch_attention import filled_pool  # noqa: E402  (tests/unit is on the path)
+
 BS = 4
 
 
@@ -100,13 +102,7 @@ def test_attention_over_a_q8_pool_is_attention_over_its_dequantized_values(n_swa
 
 
 def filled_q8_pool(table, num_tokens, dtype=torch.int8, n_layer=2, n_kv=2, hd=4):
-    g = torch.Generator().manual_seed(3)
-    pool = KVPool(n_layer, num_blocks=12, block_size=BS, n_kv_heads=n_kv, head_dim=hd, dtype=dtype)
-    slots = block_slots(table, num_tokens, BS)
-    for layer in range(n_layer):
-        pool.write(layer, slots, torch.randn(num_tokens, n_kv, hd, generator=g),
-                   torch.randn(num_tokens, n_kv, hd, generator=g))
-    return pool, slots
+    return filled_pool(table, num_tokens, n_layer=n_layer, n_kv=n_kv, hd=hd, dtype=dtype)
 
 
 def test_q8_kv_bytes_carry_the_scales_and_round_trip_into_other_blocks():
