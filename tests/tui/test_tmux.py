@@ -27,6 +27,7 @@ pytestmark = [
 
 WIDTH, HEIGHT = 160, 45
 POLL_S = 0.2
+NOTICE_TIMEOUT_S = 15  # the app shows it for 8 s
 READY_TIMEOUT_S = 60  # model load (and, with --resume, the warming prefill)
 ANSWER_TIMEOUT_S = 60
 READY_HELD_S = 2  # after --resume, when the warming was too quick to see
@@ -187,6 +188,9 @@ def test_chat_stop_quit_and_resume_in_tmux(tmux, tmp_path, qwen_path):
     pane = wait_for(tmux, "chat", "the status bar to say ready", state_is("ready"), READY_TIMEOUT_S)
     print(f"\nready {time.monotonic() - spawned:.1f} s after the spawn")
     assert status(pane)["ttft"] == "-" and status(pane)["prompt"] == "-"  # no answer yet
+    # The loaded model's KV cache is announced in a notice over the messages' corner.
+    assert "KV cache: 4,096 tokens (48 MiB, f16)" in pane
+    wait_for(tmux, "chat", "the KV-cache notice to go", lambda p: "KV cache:" not in p, NOTICE_TIMEOUT_S)
 
     # 2. A short question: the answer shows, and the status bar gets its figures.
     tmux.type("chat", QUESTION)
