@@ -170,6 +170,9 @@ def main() -> None:
     if quoting:
         print(f"| summary, those that quote (copied >= {QUOTING:.0%}) | {median(quoting):.2f}x | "
               f"{len(quoting)} requests |")
+    cost = engine.drafter.cost
+    print(f"\nA step of 2 tokens cost {cost.seconds(2) / cost.seconds(1):.2f}x a step of 1 "
+          f"(checking drafts is {'cheap' if engine.drafter.verifying_is_cheap() else 'dear'} here).")
     engine.close()
 
 

@@ -331,3 +331,20 @@ def test_a_sampled_draft_is_kept_with_the_models_probability():
     n = 40_000
     kept = sum(verify([1], lambda i: int(rng.choice(3, p=P)))[1] for _ in range(n))
     assert abs(kept / n - P[1]) < 5 * math.sqrt(P[1] * (1 - P[1]) / n)
+
+
+def test_where_checking_is_cheap_one_right_proposal_starts_a_run():
+    """GPU-like costs (a step of 2 about a step of 1): one right shadow token is streak enough.
+    CPU-like costs (2 tokens cost 37 ms against 19): it takes two, as before."""
+    for costs, cheap in ((gpu_like_costs, True), (cpu_like_costs, False)):
+        drafter = Drafter()
+        costs(drafter)
+        assert drafter.verifying_is_cheap() == cheap
+        tokens = list(CODE)
+        drafter._state(1, tokens).acceptance = Acceptance(prior_accepted=9.0, prior_missed=1.0)
+        assert drafter.plan([(1, tokens, 50, False)], 1, 1, 255) == {}  # a shadow first
+        tokens.append(tokens[-10])
+        drafter.on_tokens(1, [tokens[-1]])
+        assert drafter._seqs[1].streak == 1
+        assert bool(drafter.plan([(1, tokens, 50, False)], 1, 1, 255)) == cheap
+    assert not Drafter().verifying_is_cheap()  # no step timed yet: the strict rule
