@@ -38,6 +38,7 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define LM_HAVE_F16C 1
+#define LM_HAVE_AVX512_ATTN 1
 __attribute__((target("avx,f16c"))) static void halves_f16c(const uint16_t *src, float *dst, int n) {
     int t = 0;
     for (; t + 8 <= n; t += 8) _mm256_storeu_ps(dst + t, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + t))));
@@ -202,7 +203,220 @@ LM_CLONES static void item_d128(const job_t *J, const int32_t *it, float *sc) { 
 LM_CLONES static void item_d256(const job_t *J, const int32_t *it, float *sc) { item_body(J, it, sc, 256); }
 LM_CLONES static void item_any(const job_t *J, const int32_t *it, float *sc) { item_body(J, it, sc, J->head_dim); }
 
+
+/* The AVX-512 copy of a work item, for pools of 16-token blocks (the BlockManager's) and head
+ * sizes that are multiples of 16: a block's 16 keys are the 16 lanes of a vector. K of the
+ * block is converted to float32 and transposed (kt[t] holds dimension t of the 16 keys), so a
+ * query's 16 scores are D multiply-adds of its broadcast dimensions, eight queries sharing each
+ * load; the softmax runs on the 16 lanes; V is added row by row. Every query's arithmetic is
+ * the same whatever the other queries of its item (the same fused multiply-adds in the same
+ * order), so a position decoded alone and checked among drafts agree bit for bit. */
+#ifdef LM_HAVE_AVX512_ATTN
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#define QGROUP 8 /* queries scored together against one block (a KV head's 7 query heads in Qwen2.5) */
+
+AVX512 static inline __m512 load16(const void *cache, int kv_type, size_t first, float scale) {
+    if (kv_type == LM_KV_Q8) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)((const int8_t *)cache + first));
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(scale));
+    }
+    if (kv_type == LM_KV_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + first)));
+    return _mm512_loadu_ps((const float *)cache + first);
+}
+
+/* r[i][j] -> r[j][i] for 16 vectors of 16 floats. */
+AVX512 static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; i++) {
+            t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* exp_nonpositive on 16 lanes, with the same polynomial. */
+AVX512 static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+AVX512 static inline __attribute__((always_inline)) void item_avx512(const job_t *J, const int32_t *item,
+                                                                      float *scratch, const int D) {
+    const int s = item[0], kvh = item[1], chunk = item[2], r0 = item[3], r1 = item[4];
+    const int group = J->n_head / J->n_kv;
+    const int per = (group + J->head_chunks - 1) / J->head_chunks;
+    const int h0 = chunk * per, h1 = h0 + per < group ? h0 + per : group;
+    const int nh = h1 - h0, nq = (r1 - r0) * nh, DV = D / 16;
+    if (nh <= 0) return;
+    const int ql = J->q_len[s], first_pos = J->ctx_len[s] - ql;
+    const int32_t *table = J->tables + J->table_start[s];
+    const size_t stride = (size_t)J->n_kv * D;
+
+    /* 64-byte aligned parts of the scratch (scratch_floats leaves room for the rounding). */
+    float *base = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    float *qv = base, *acc = qv + (size_t)nq * D, *kt = acc + (size_t)nq * D, *vb = kt + (size_t)16 * D;
+    float *pb = vb + (size_t)16 * D, *m = pb + (size_t)16 * nq, *l = m + nq;
+    int *pos = (int *)(l + nq);
+
+    for (int i = 0; i < r1 - r0; i++)
+        for (int h = 0; h < nh; h++) {
+            const float *src = J->q + ((size_t)(J->q_start[s] + r0 + i) * J->n_head + kvh * group + h0 + h) * D;
+            float *dst = qv + (size_t)(i * nh + h) * D;
+            for (int t = 0; t < D; t++) dst[t] = src[t] * J->scale;
+        }
+    for (int x = 0; x < nq; x++) { m[x] = -INFINITY; l[x] = 0.0f; pos[x] = first_pos + r0 + x / nh; }
+    memset(acc, 0, sizeof(float) * (size_t)nq * D);
+
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    const int hi = first_pos + r1 - 1;
+    int lo = 0;
+    if (J->n_swa > 0) { lo = first_pos + r0 - J->n_swa + 1; if (lo < 0) lo = 0; }
+    for (int b0 = (lo / 16) * 16; b0 <= hi; b0 += 16) {
+        const int blk = table[b0 / 16];
+        const int j0 = b0 > lo ? b0 : lo, j1 = b0 + 15 < hi ? b0 + 15 : hi, n = j1 - j0 + 1;
+        const size_t row0 = (size_t)blk * 16 + (j0 - b0);
+        float ksc[16], vsc[16];
+        for (int j = 0; j < 16; j++) {
+            ksc[j] = vsc[j] = 1.0f;
+            if (J->kv_type == LM_KV_Q8 && j < n) {
+                ksc[j] = lm_half_to_float(J->k_scales[(row0 + j) * J->n_kv + kvh]);
+                vsc[j] = lm_half_to_float(J->v_scales[(row0 + j) * J->n_kv + kvh]);
+            }
+        }
+        for (int c = 0; c < DV; c++) {
+            __m512 r[16];
+            for (int j = 0; j < 16; j++)
+                r[j] = j < n ? load16(J->k, J->kv_type, (row0 + j) * stride + (size_t)kvh * D + c * 16, ksc[j])
+                             : _mm512_setzero_ps();
+            transpose16(r);
+            for (int t = 0; t < 16; t++) _mm512_store_ps(kt + (size_t)(c * 16 + t) * 16, r[t]);
+        }
+        for (int j = 0; j < n; j++)
+            for (int c = 0; c < DV; c++)
+                _mm512_store_ps(vb + (size_t)j * D + c * 16,
+                                load16(J->v, J->kv_type, (row0 + j) * stride + (size_t)kvh * D + c * 16, vsc[j]));
+        const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(j0), iota);
+        const __mmask16 valid = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+
+        for (int x0 = 0; x0 < nq; x0 += QGROUP) {
+            const int G = nq - x0 < QGROUP ? nq - x0 : QGROUP;
+            /* Two running sums per query (even and odd dimensions), so the adds of one query
+             * do not wait on each other. */
+            __m512 sc[QGROUP], so[QGROUP];
+            for (int g = 0; g < QGROUP; g++) sc[g] = so[g] = _mm512_setzero_ps();
+            const float *q0 = qv + (size_t)x0 * D;
+            if (G == QGROUP) {
+                for (int t = 0; t < D; t += 2) {
+                    const __m512 ke = _mm512_load_ps(kt + (size_t)t * 16), ko = _mm512_load_ps(kt + (size_t)(t + 1) * 16);
+                    for (int g = 0; g < QGROUP; g++) {
+                        sc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q0[(size_t)g * D + t]), ke, sc[g]);
+                        so[g] = _mm512_fmadd_ps(_mm512_set1_ps(q0[(size_t)g * D + t + 1]), ko, so[g]);
+                    }
+                }
+            } else {
+                for (int t = 0; t < D; t += 2) {
+                    const __m512 ke = _mm512_load_ps(kt + (size_t)t * 16), ko = _mm512_load_ps(kt + (size_t)(t + 1) * 16);
+                    for (int g = 0; g < G; g++) {
+                        sc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q0[(size_t)g * D + t]), ke, sc[g]);
+                        so[g] = _mm512_fmadd_ps(_mm512_set1_ps(q0[(size_t)g * D + t + 1]), ko, so[g]);
+                    }
+                }
+            }
+            for (int g = 0; g < G; g++) sc[g] = _mm512_add_ps(sc[g], so[g]);
+            for (int g = 0; g < G; g++) {
+                const int x = x0 + g, p = pos[x];
+                const int see_lo = J->n_swa > 0 ? p - J->n_swa + 1 : 0;
+                const __mmask16 seen = valid & _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(p)) &
+                                       _mm512_cmpge_epi32_mask(keys, _mm512_set1_epi32(see_lo));
+                float *px = pb + (size_t)x * 16;
+                if (!seen) { _mm512_store_ps(px, _mm512_setzero_ps()); continue; }
+                const __m512 sv = _mm512_mask_mov_ps(neg_inf, seen, sc[g]);
+                const float cm = _mm512_reduce_max_ps(sv);
+                const float mx = m[x] > cm ? m[x] : cm;
+                if (mx > m[x] && m[x] != -INFINITY) {
+                    const float corr = exp_nonpositive(m[x] - mx);
+                    l[x] *= corr;
+                    float *ax = acc + (size_t)x * D;
+                    const __m512 cv = _mm512_set1_ps(corr);
+                    for (int c = 0; c < DV; c++) _mm512_store_ps(ax + c * 16, _mm512_mul_ps(_mm512_load_ps(ax + c * 16), cv));
+                }
+                m[x] = mx;
+                const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
+                l[x] += _mm512_reduce_add_ps(e);
+                _mm512_store_ps(px, e);
+            }
+        }
+        /* acc[x] += sum_j p[x][j] v[j], a dimension chunk at a time for QGROUP queries. */
+        for (int x0 = 0; x0 < nq; x0 += QGROUP) {
+            const int G = nq - x0 < QGROUP ? nq - x0 : QGROUP;
+            for (int c = 0; c < DV; c++) {
+                __m512 a[QGROUP];
+                for (int g = 0; g < G; g++) a[g] = _mm512_load_ps(acc + (size_t)(x0 + g) * D + c * 16);
+                for (int j = 0; j < n; j++) {
+                    const __m512 vv = _mm512_load_ps(vb + (size_t)j * D + c * 16);
+                    for (int g = 0; g < G; g++)
+                        a[g] = _mm512_fmadd_ps(_mm512_set1_ps(pb[(size_t)(x0 + g) * 16 + j]), vv, a[g]);
+                }
+                for (int g = 0; g < G; g++) _mm512_store_ps(acc + (size_t)(x0 + g) * D + c * 16, a[g]);
+            }
+        }
+    }
+    for (int i = 0; i < r1 - r0; i++)
+        for (int h = 0; h < nh; h++) {
+            const int x = i * nh + h;
+            float *dst = J->out + ((size_t)(J->q_start[s] + r0 + i) * J->n_head + kvh * group + h0 + h) * D;
+            const float inv = 1.0f / l[x];
+            for (int t = 0; t < D; t++) dst[t] = acc[(size_t)x * D + t] * inv;
+        }
+}
+
+AVX512 static void item_avx512_d64(const job_t *J, const int32_t *it, float *sc) { item_avx512(J, it, sc, 64); }
+AVX512 static void item_avx512_d128(const job_t *J, const int32_t *it, float *sc) { item_avx512(J, it, sc, 128); }
+AVX512 static void item_avx512_any(const job_t *J, const int32_t *it, float *sc) { item_avx512(J, it, sc, J->head_dim); }
+#endif
+
+#ifdef LM_HAVE_AVX512_ATTN
+static int cpu_has_avx512 = -1;
+#endif
+
 static void run_item(const job_t *J, const int32_t *item, float *scratch) {
+#ifdef LM_HAVE_AVX512_ATTN
+    if (cpu_has_avx512 && J->block_size == 16 && J->head_dim % 16 == 0) {
+        switch (J->head_dim) {
+        case 64: item_avx512_d64(J, item, scratch); return;
+        case 128: item_avx512_d128(J, item, scratch); return;
+        default: item_avx512_any(J, item, scratch); return;
+        }
+    }
+#endif
     switch (J->head_dim) {
     case 64: item_d64(J, item, scratch); break;
     case 128: item_d128(J, item, scratch); break;
@@ -214,7 +428,8 @@ static void run_item(const job_t *J, const int32_t *item, float *scratch) {
 static size_t scratch_floats(const job_t *J) {
     const int group = J->n_head / J->n_kv, per = (group + J->head_chunks - 1) / J->head_chunks;
     const size_t nq = (size_t)TILE_ROWS * per;
-    return 2 * nq * J->head_dim + 3 * nq + 2 * (size_t)J->block_size * J->head_dim + J->block_size + 16;
+    /* the AVX-512 copy also keeps 16 probabilities per query, and aligns its parts to 64 bytes */
+    return 2 * nq * J->head_dim + 19 * nq + 2 * (size_t)J->block_size * J->head_dim + J->block_size + 32;
 }
 
 static void attend_part(void *arg, int part, int parts) {
@@ -246,6 +461,9 @@ int lm_paged_attention(const float *q, float *out, const void *k, const void *v,
     if (cpu_has_f16c < 0) {
         __builtin_cpu_init();
         cpu_has_f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+        cpu_has_avx512 = cpu_has_f16c && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                         __builtin_cpu_supports("fma");
     }
 #endif
     job_t J = {q, out, k, v, k_scales, v_scales, kv_type, q_start, q_len, ctx_len, tables, table_start,
@@ -261,9 +479,9 @@ int lm_paged_attention(const float *q, float *out, const void *k, const void *v,
     int threads = n_threads < 1 ? 1 : n_threads;
     if (work < (double)MIN_WORK_PER_THREAD * 2) threads = 1;
     else if (work < (double)MIN_WORK_PER_THREAD * threads) threads = (int)(work / MIN_WORK_PER_THREAD);
-    /* Few items (a single decoding sequence of a model with one or two KV heads): split the
-     * query heads of each KV head so every thread has work. */
-    while (J.head_chunks < group && tiles * n_kv * J.head_chunks < 2L * threads) J.head_chunks *= 2;
+    /* Fewer items than threads (a single decoding sequence of a model with one KV head): split
+     * the query heads of each KV head so every thread has work (each part reads the blocks). */
+    while (J.head_chunks < group && tiles * n_kv * J.head_chunks < threads) J.head_chunks *= 2;
     if (J.head_chunks > group) J.head_chunks = group;
     J.items = malloc(sizeof(int32_t) * 5 * (size_t)(tiles * n_kv * J.head_chunks));
     if (J.items == NULL) return LM_ENOMEM;
