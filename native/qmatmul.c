@@ -6,8 +6,8 @@
  * signed 8-bit integers (Q4_0: nibble - 8; Q5_0: nibble + 16 * high bit - 16; Q8_0 as
  * stored), each block's products are summed in integers and scaled once by d_w * d_x.
  *
- * Rows of W are shared out to the thread pool. For each row, all M rows of x are done before
- * the next row, so a weight block is unpacked once per call whatever M is.
+ * Rows of W are shared out to the thread pool. Where the CPU has AVX-512 VNNI, tiles of 4 rows
+ * of W by 4 rows of x (below); elsewhere a row of W at a time against 4 rows of x.
  */
 
 #include <math.h>
@@ -143,7 +143,159 @@ VNNI_TARGET static inline __m256i dot_vnni(__m256i u, __m256i s) {
 ROWS_KERNEL(rows_avx2, AVX2_TARGET, dot_avx2)
 ROWS_KERNEL(rows_vnni, VNNI_TARGET, dot_vnni)
 
-static int cpu_level = -1; /* 0 plain, 1 AVX2, 2 AVX-512 VNNI */
+/* AVX-512 VNNI, in tiles of up to 4 weight rows by 4 rows of x: a tile's weight blocks are
+ * unpacked once for its 4 rows of x, and each x block is loaded once for its 4 weight rows.
+ * Two blocks fill a 512-bit vector (lanes 0-7 the first, 8-15 the second); each pair of a
+ * weight row and a row of x keeps its own float32 accumulator, to which every block pair adds
+ * its integer sums times d_w * d_x, in block order. So a row of y is computed alike whatever
+ * rows surround it in the tile or the batch. */
+#define VNNI512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
+#define TILE_W 4
+#define TILE_X 4
+
+VNNI512_TARGET static inline __m512 pair_scales(float a, float b) {
+    return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+}
+
+/* A tile's weight rows unpacked, pair of blocks by pair: |w| as unsigned bytes, w's signs, and
+ * the two scales; an odd last block pairs with zeros. */
+typedef struct {
+    __m512i aw;
+    __m512 dw;
+    __mmask64 neg;
+} wpair_t;
+
+VNNI512_TARGET static void unpack_tile(int wtype, const uint8_t *const *rows, int nr, int nb, wpair_t *out) {
+    const int bb = lm_block_bytes(wtype), pairs = (nb + 1) / 2;
+    for (int p = 0; p < pairs; p++)
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *b0 = rows[r] + (size_t)2 * p * bb;
+            const int two = 2 * p + 1 < nb;
+            const __m256i lo = unpack_avx2(wtype, b0), hi = two ? unpack_avx2(wtype, b0 + bb) : _mm256_setzero_si256();
+            const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            uint16_t h0, h1 = 0;
+            memcpy(&h0, b0, 2);
+            if (two) memcpy(&h1, b0 + bb, 2);
+            wpair_t *o = out + (size_t)p * TILE_W + r;
+            o->aw = _mm512_abs_epi8(w);
+            o->neg = _mm512_movepi8_mask(w);
+            o->dw = pair_scales(_cvtsh_ss(h0), two ? _cvtsh_ss(h1) : 0.0f);
+        }
+}
+
+VNNI512_TARGET static inline __attribute__((always_inline)) void tile_vnni512(
+    const wpair_t *wt, int nr, int nb, const qblock_t *const *xq, const float *const *xd, int mr, float *y,
+    size_t y_stride, int n) {
+    __m512 acc[TILE_W][TILE_X];
+    for (int r = 0; r < TILE_W; r++)
+        for (int i = 0; i < TILE_X; i++) acc[r][i] = _mm512_setzero_ps();
+    const int pairs = (nb + 1) / 2;
+    for (int p = 0; p < pairs; p++) {
+        const int b = 2 * p, two = b + 1 < nb;
+        const wpair_t *w = wt + (size_t)p * TILE_W;
+        for (int i = 0; i < mr; i++) {
+            /* an odd last block: 32 bytes of x, so nothing past the row is read */
+            const __m512i xv = two ? _mm512_loadu_si512((const void *)xq[i][b].q)
+                                   : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)xq[i][b].q));
+            const __m512 dx = pair_scales(xd[i][b], two ? xd[i][b + 1] : 0.0f);
+            for (int r = 0; r < nr; r++) {
+                /* |w| times x with w's signs: unsigned by signed bytes, as VNNI multiplies. */
+                const __m512i sx = _mm512_mask_sub_epi8(xv, w[r].neg, _mm512_setzero_si512(), xv);
+                const __m512i s32 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[r].aw, sx);
+                acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32), _mm512_mul_ps(w[r].dw, dx), acc[r][i]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int i = 0; i < mr; i++) y[(size_t)i * y_stride + n + r] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
+/* The same tile with its weights unpacked as it goes: for M of at most TILE_X (a decode step),
+ * where each block is used once and a round trip through memory would cost more than it
+ * saves. The arithmetic is tile_vnni512's, operation for operation. */
+VNNI512_TARGET static inline __attribute__((always_inline)) void tile_direct(
+    int wtype, const uint8_t *const *rows, int nr, int nb, const qblock_t *const *xq, const float *const *xd,
+    int mr, float *y, size_t y_stride, int n) {
+    const int bb = lm_block_bytes(wtype);
+    __m512 acc[TILE_W][TILE_X];
+    for (int r = 0; r < TILE_W; r++)
+        for (int i = 0; i < TILE_X; i++) acc[r][i] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b += 2) {
+        const int two = b + 1 < nb;
+        __m512i aw[TILE_W];
+        __m512 dw[TILE_W];
+        __mmask64 neg[TILE_W];
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *b0 = rows[r] + (size_t)b * bb;
+            const __m256i lo = unpack_avx2(wtype, b0), hi = two ? unpack_avx2(wtype, b0 + bb) : _mm256_setzero_si256();
+            const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            uint16_t h0, h1 = 0;
+            memcpy(&h0, b0, 2);
+            if (two) memcpy(&h1, b0 + bb, 2);
+            aw[r] = _mm512_abs_epi8(w);
+            neg[r] = _mm512_movepi8_mask(w);
+            dw[r] = pair_scales(_cvtsh_ss(h0), two ? _cvtsh_ss(h1) : 0.0f);
+        }
+        for (int i = 0; i < mr; i++) {
+            const __m512i xv = two ? _mm512_loadu_si512((const void *)xq[i][b].q)
+                                   : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)xq[i][b].q));
+            const __m512 dx = pair_scales(xd[i][b], two ? xd[i][b + 1] : 0.0f);
+            for (int r = 0; r < nr; r++) {
+                const __m512i sx = _mm512_mask_sub_epi8(xv, neg[r], _mm512_setzero_si512(), xv);
+                const __m512i s32 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw[r], sx);
+                acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32), _mm512_mul_ps(dw[r], dx), acc[r][i]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int i = 0; i < mr; i++) y[(size_t)i * y_stride + n + r] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
+/* Returns 0, or -1 when the scratch for the unpacked tile cannot be had. */
+VNNI512_TARGET static int rows_vnni512(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb,
+                                       const qblock_t *xq, const float *xd, int M, float *y, int N) {
+    wpair_t *wt = NULL;
+    if (M > TILE_X && (wt = aligned_alloc(64, sizeof(wpair_t) * TILE_W * (size_t)((nb + 1) / 2))) == NULL) return -1;
+    for (int n = n0; n < n1; n += TILE_W) {
+        const int nr = n1 - n < TILE_W ? n1 - n : TILE_W;
+        const uint8_t *rows[TILE_W];
+        for (int r = 0; r < nr; r++) rows[r] = w + (size_t)(n + r) * row_bytes;
+        if (wt == NULL) { /* M <= TILE_X: one tile of x */
+            const qblock_t *xs[TILE_X];
+            const float *ds[TILE_X];
+            for (int i = 0; i < TILE_X; i++) {
+                xs[i] = xq + (size_t)(i < M ? i : 0) * nb;
+                ds[i] = xd + (size_t)(i < M ? i : 0) * nb;
+            }
+            if (nr == TILE_W && M == 1) tile_direct(wtype, rows, TILE_W, nb, xs, ds, 1, y, N, n);
+            else if (nr == TILE_W && M == 2) tile_direct(wtype, rows, TILE_W, nb, xs, ds, 2, y, N, n);
+            else if (nr == TILE_W && M == 3) tile_direct(wtype, rows, TILE_W, nb, xs, ds, 3, y, N, n);
+            else if (nr == TILE_W && M == 4) tile_direct(wtype, rows, TILE_W, nb, xs, ds, 4, y, N, n);
+            else tile_direct(wtype, rows, nr, nb, xs, ds, M, y, N, n);
+            continue;
+        }
+        unpack_tile(wtype, rows, nr, nb, wt); /* once for all M rows of x */
+        for (int m0 = 0; m0 < M; m0 += TILE_X) {
+            const int mr = M - m0 < TILE_X ? M - m0 : TILE_X;
+            const qblock_t *xs[TILE_X];
+            const float *ds[TILE_X];
+            for (int i = 0; i < TILE_X; i++) {
+                const int m = m0 + (i < mr ? i : 0);
+                xs[i] = xq + (size_t)m * nb;
+                ds[i] = xd + (size_t)m * nb;
+            }
+            float *yt = y + (size_t)m0 * N;
+            /* Constant tile sizes for the common cases, so the accumulators stay in registers. */
+            if (nr == TILE_W && mr == TILE_X) tile_vnni512(wt, TILE_W, nb, xs, ds, TILE_X, yt, N, n);
+            else if (nr == TILE_W && mr == 1) tile_vnni512(wt, TILE_W, nb, xs, ds, 1, yt, N, n);
+            else tile_vnni512(wt, nr, nb, xs, ds, mr, yt, N, n);
+        }
+    }
+    free(wt);
+    return 0;
+}
+
+static int cpu_level = -1; /* 0 plain, 1 AVX2, 2 AVX-512 VNNI (256-bit), 3 AVX-512 VNNI tiles */
 #endif
 
 static void rows_scalar(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb,
@@ -179,7 +331,7 @@ static void quantize_row(const float *x, int nb, qblock_t *q, float *d) {
 }
 
 typedef struct {
-    int level; /* 0 plain C, 1 AVX2, 2 AVX-512 VNNI */
+    int level; /* cpu_level's, or 0 */
     int wtype;
     const uint8_t *w;
     size_t row_bytes;
@@ -196,6 +348,12 @@ static void mm_part(void *p, int part, int parts) {
     const int n0 = part * per * 8, n1 = (part + 1) * per * 8 < J->N ? (part + 1) * per * 8 : J->N;
     if (n0 >= n1) return;
 #ifdef LM_X86
+    if (J->level == 3) {
+        if (rows_vnni512(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N) == 0) return;
+        /* no scratch: the untiled loop below needs none */
+        rows_vnni(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N);
+        return;
+    }
     if (J->level == 2) { rows_vnni(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N); return; }
     if (J->level == 1) { rows_avx2(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N); return; }
 #endif
@@ -212,7 +370,8 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
         const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
         const int vnni = avx2 && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vnni");
-        cpu_level = vnni ? 2 : avx2 ? 1 : 0;
+        const int vnni512 = vnni && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+        cpu_level = vnni512 ? 3 : vnni ? 2 : avx2 ? 1 : 0;
     }
     const int level = force_scalar ? 0 : cpu_level;
 #else
