@@ -107,7 +107,8 @@ def test_gguf_blocks_scheme_keeps_the_files_blocks_and_reads_them_back(qwen_path
         runner = TorchRunner(config, scheme="gguf-blocks")
         try:
             layers = runner.model.layers[0]
-            kinds = {name: type(layers[name]).__name__ for name in ("q", "gate", "down")}
+            kinds = {"q": type(layers["qkv"].layer_of(0)).__name__, "gate": type(layers["gate_up"].layer_of(0)).__name__,
+                     "down": type(layers["down"]).__name__}
             assert isinstance(runner.model.lm_head, BlockLinear) and runner.model.lm_head.kind == "Q8_0"
             seq = Sequence(prompt_token_ids=runner.vocab.tokenize(b"def add(a, b):", True, False),
                            params=SamplingParams())

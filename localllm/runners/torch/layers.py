@@ -24,31 +24,48 @@ def gelu_ggml(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension, in float32: one fused
+    operation (a decode step makes about fifty of these)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
 
 
 class Rope:
-    """Rotary position embeddings for heads of ``head_dim``, computed per step from positions."""
+    """Rotary position embeddings for heads of ``head_dim``, computed per step from positions.
+
+    A step's positions are the same tensor for every layer, so their cos / sin tables are made
+    once per step (for the last positions tensor seen) rather than twice per layer."""
 
     def __init__(self, head_dim: int, base: float, neox: bool, device):
         self.neox = neox
         self.inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+        self._positions: torch.Tensor | None = None
+        self._tables: tuple[torch.Tensor, torch.Tensor] = ()
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N, 1, hd) float32 C and S with rope(x) = x * C + partner(x) * S, where partner(x)
+        swaps each rotated pair (x_i, x_j) to (x_j, x_i): C holds cos on both, S -sin on the
+        first and sin on the second, so each output is x_i cos - x_j sin or x_j cos + x_i sin,
+        bit for bit as written out."""
+        if positions is not self._positions:
+            angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # (N, hd/2)
+            cos, sin = angles.cos().to(torch.float32), angles.sin().to(torch.float32)
+            if self.neox:
+                c, s = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+            else:
+                c, s = torch.stack([cos, cos], -1).flatten(-2), torch.stack([-sin, sin], -1).flatten(-2)
+            self._positions, self._tables = positions, (c[:, None, :], s[:, None, :])
+        return self._tables
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: (N, heads, hd); positions: (N,)."""
-        angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # (N, hd/2)
-        cos = angles.cos().to(torch.float32)[:, None, :]
-        sin = angles.sin().to(torch.float32)[:, None, :]
+        c, s = self.tables(positions)
         xf = x.float()
         if self.neox:
             half = xf.shape[-1] // 2
-            x1, x2 = xf[..., :half], xf[..., half:]
-            out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+            partner = torch.cat([xf[..., half:], xf[..., :half]], dim=-1)
         else:
-            x1, x2 = xf[..., 0::2], xf[..., 1::2]
-            out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
-        return out.to(x.dtype)
+            partner = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        return (xf * c + partner * s).to(x.dtype)
 
 
 class Linear:
@@ -63,6 +80,70 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+
+def out_features(layer) -> int:
+    from localllm.runners.torch import quant
+
+    if isinstance(layer, quant.BlockLinear):
+        return layer.blocks.shape[0]
+    if isinstance(layer, quant.Int4Linear):
+        return layer.scales_and_zeros.shape[1]
+    return layer.weight.shape[0]  # Linear, Int8Linear
+
+
+def _fuse(a, b):
+    """One layer computing a's outputs then b's, bit for bit, or None. Only formats whose output
+    rows are computed each on its own are joined: the file's blocks of one type (qmatmul works
+    row by row) and int8 rows (torch's kernel gives the same bits for a row whatever rows
+    surround it). Both layers must have a bias, or neither."""
+    from localllm.runners.torch import quant
+
+    if (a.bias is None) != (b.bias is None):
+        return None
+    bias = torch.cat([a.bias, b.bias]) if a.bias is not None else None
+    if isinstance(a, quant.BlockLinear) and isinstance(b, quant.BlockLinear):
+        if a.kind != b.kind or a.in_features != b.in_features:
+            return None
+        return quant.BlockLinear(torch.cat([a.blocks, b.blocks]), a.kind, bias)
+    if isinstance(a, quant.Int8Linear) and isinstance(b, quant.Int8Linear) and a.weight.device.type == "cpu":
+        if a.weight.shape[1] != b.weight.shape[1]:
+            return None
+        return quant.Int8Linear(torch.cat([a.weight, b.weight]), torch.cat([a.scales, b.scales]), bias)
+    return None
+
+
+class Parallel:
+    """Layers that read the same input (Q, K and V; gate and up), run as few matmuls as their
+    formats allow: neighbours of one format are joined into one layer whose output is split
+    again. Each joined call quantizes the input once and costs one call instead of two or
+    three, and gives the same bits as the layers alone."""
+
+    def __init__(self, layers: list):
+        self.groups: list[tuple[object, list[int]]] = []  # (layer, the output sizes it holds)
+        for layer in layers:
+            if self.groups:
+                last, sizes = self.groups[-1]
+                joined = _fuse(last, layer)
+                if joined is not None:
+                    self.groups[-1] = (joined, sizes + [out_features(layer)])
+                    continue
+            self.groups.append((layer, [out_features(layer)]))
+
+    def layer_of(self, i: int):
+        """The layer that computes the i-th output."""
+        for layer, sizes in self.groups:
+            if i < len(sizes):
+                return layer
+            i -= len(sizes)
+        raise IndexError(i)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        outs = []
+        for layer, sizes in self.groups:
+            y = layer(x)
+            outs += y.split(sizes, dim=-1) if len(sizes) > 1 else [y]
+        return outs
 
 
 def load_linear(weights: GGUFWeights, name: str, act_dtype: torch.dtype, device, bias: bool = False,

@@ -11,7 +11,7 @@ import math
 import torch
 
 from localllm.runners.torch.attention import AttnBatch, KVPool
-from localllm.runners.torch.layers import LayerSource, Rope, gelu_ggml, rms_norm
+from localllm.runners.torch.layers import LayerSource, Parallel, Rope, gelu_ggml, rms_norm
 from localllm.runners.torch.weights import ModelConfig
 
 
@@ -30,16 +30,13 @@ class Gemma3Model:
         p = f"blk.{i}"
         return {
             "attn_norm": w.vector(f"{p}.attn_norm.weight"),
-            "q": w.linear(f"{p}.attn_q"),
-            "k": w.linear(f"{p}.attn_k"),
-            "v": w.linear(f"{p}.attn_v"),
+            "qkv": Parallel([w.linear(f"{p}.attn_{x}") for x in "qkv"]),
             "q_norm": w.vector(f"{p}.attn_q_norm.weight"),
             "k_norm": w.vector(f"{p}.attn_k_norm.weight"),
             "o": w.linear(f"{p}.attn_output"),
             "post_attn_norm": w.vector(f"{p}.post_attention_norm.weight"),
             "ffn_norm": w.vector(f"{p}.ffn_norm.weight"),
-            "gate": w.linear(f"{p}.ffn_gate"),
-            "up": w.linear(f"{p}.ffn_up"),
+            "gate_up": Parallel([w.linear(f"{p}.ffn_gate"), w.linear(f"{p}.ffn_up")]),
             "down": w.linear(f"{p}.ffn_down"),
             "post_ffn_norm": w.vector(f"{p}.post_ffw_norm.weight"),
         }
@@ -52,16 +49,18 @@ class Gemma3Model:
             local = c.is_swa(i)
             rope = self.rope_local if local else self.rope_global
             h = rms_norm(x, layer["attn_norm"], c.rms_eps).to(dt)
-            q = rms_norm(layer["q"](h).float().view(-1, c.n_head, c.head_dim), layer["q_norm"], c.rms_eps)
-            k = rms_norm(layer["k"](h).float().view(-1, c.n_head_kv, c.head_dim), layer["k_norm"], c.rms_eps)
-            v = layer["v"](h).float().view(-1, c.n_head_kv, c.head_dim)
+            q, k, v = layer["qkv"](h)
+            q = rms_norm(q.float().view(-1, c.n_head, c.head_dim), layer["q_norm"], c.rms_eps)
+            k = rms_norm(k.float().view(-1, c.n_head_kv, c.head_dim), layer["k_norm"], c.rms_eps)
+            v = v.float().view(-1, c.n_head_kv, c.head_dim)
             q, k = rope(q, positions), rope(k, positions)
             pool.write(i, batch.slots, k, v)
             a = batch.attend(q, pool, i, self.scale, c.n_swa if local else 0)
             o = layer["o"](a.reshape(-1, c.n_head * c.head_dim).to(dt)).float()
             x = x + rms_norm(o, layer["post_attn_norm"], c.rms_eps)
             h = rms_norm(x, layer["ffn_norm"], c.rms_eps).to(dt)
-            f = layer["down"]((gelu_ggml(layer["gate"](h).float()) * layer["up"](h).float()).to(dt)).float()
+            gate, up = layer["gate_up"](h)
+            f = layer["down"]((gelu_ggml(gate.float()) * up.float()).to(dt)).float()
             x = x + rms_norm(f, layer["post_ffn_norm"], c.rms_eps)
         return rms_norm(x, self.norm, c.rms_eps)
 

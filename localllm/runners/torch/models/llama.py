@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from localllm.runners.torch.attention import AttnBatch, KVPool
-from localllm.runners.torch.layers import LayerSource, Rope, rms_norm
+from localllm.runners.torch.layers import LayerSource, Parallel, Rope, rms_norm
 from localllm.runners.torch.weights import ModelConfig
 
 
@@ -32,13 +32,10 @@ class LlamaModel:
         p = f"blk.{i}"
         return {
             "attn_norm": w.vector(f"{p}.attn_norm.weight"),
-            "q": w.linear(f"{p}.attn_q", bias=self.qkv_bias),
-            "k": w.linear(f"{p}.attn_k", bias=self.qkv_bias),
-            "v": w.linear(f"{p}.attn_v", bias=self.qkv_bias),
+            "qkv": Parallel([w.linear(f"{p}.attn_{x}", bias=self.qkv_bias) for x in "qkv"]),
             "o": w.linear(f"{p}.attn_output"),
             "ffn_norm": w.vector(f"{p}.ffn_norm.weight"),
-            "gate": w.linear(f"{p}.ffn_gate"),
-            "up": w.linear(f"{p}.ffn_up"),
+            "gate_up": Parallel([w.linear(f"{p}.ffn_gate"), w.linear(f"{p}.ffn_up")]),
             "down": w.linear(f"{p}.ffn_down"),
         }
 
@@ -49,15 +46,16 @@ class LlamaModel:
         x = self.embed[tokens].float()
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer["attn_norm"], c.rms_eps).to(dt)
-            q = layer["q"](h).float().view(-1, c.n_head, c.head_dim)
-            k = layer["k"](h).float().view(-1, c.n_head_kv, c.head_dim)
-            v = layer["v"](h).float().view(-1, c.n_head_kv, c.head_dim)
-            q, k = self.rope(q, positions), self.rope(k, positions)
+            q, k, v = layer["qkv"](h)
+            q = self.rope(q.float().view(-1, c.n_head, c.head_dim), positions)
+            k = self.rope(k.float().view(-1, c.n_head_kv, c.head_dim), positions)
+            v = v.float().view(-1, c.n_head_kv, c.head_dim)
             pool.write(i, batch.slots, k, v)
             a = batch.attend(q, pool, i, self.scale)
             x = x + layer["o"](a.reshape(-1, c.n_head * c.head_dim).to(dt)).float()
             h = rms_norm(x, layer["ffn_norm"], c.rms_eps).to(dt)
-            x = x + layer["down"]((F.silu(layer["gate"](h).float()) * layer["up"](h).float()).to(dt)).float()
+            gate, up = layer["gate_up"](h)
+            x = x + layer["down"]((F.silu(gate.float()) * up.float()).to(dt)).float()
         return rms_norm(x, self.norm, c.rms_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
