@@ -31,7 +31,7 @@ from localllm.config import EngineConfig
 from localllm.engine.request import Sequence
 from localllm.engine.scheduler import SchedulerOutput
 from localllm.errors import EngineError, ModelLoadError, UsageError
-from localllm.gguf import read_info
+from localllm.gguf_check import check_model
 
 
 _KV_SIZE_LINE = re.compile(rb"llama_kv_cache: +size = +([0-9.]+) MiB")
@@ -62,7 +62,7 @@ def check_gguf(path: Path) -> None:
     """Fail with a clear error before llama.cpp sees a file that cannot be a model: llama.cpp
     aborts the whole process on some malformed files, so the header, metadata and tensor
     table are checked in Python first (about 30 ms for a 500 MB model)."""
-    read_info(path)
+    check_model(path)
 
 
 # ggml_backend_dev_type, in ggml-backend.h's order.
