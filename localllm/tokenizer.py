@@ -40,6 +40,10 @@ class Vocab(Protocol):
 
     def is_eog(self, token_id: int) -> bool: ...  # end of generation: EOS, EOT, <|im_end|>...
 
+    # Optional: the texts of user-defined tokens, which the tokenizer matches even in plain
+    # text (Qwen's <tool_call>); see Tokenizer._plain.
+    # def user_defined_texts(self) -> tuple[str, ...]: ...
+
 
 # A span of rendered chat text and whether it came from a message's content (never parsed
 # for control tokens) rather than from the template (parsed).
@@ -65,6 +69,7 @@ class Tokenizer:
         self._render_timeout_s = render_timeout_s
         self._max_chars = max_template_chars
         self.template_error: TemplateError | None = None
+        self._markup_texts: tuple[str, ...] | None = None
         if self._template_source:
             try:
                 self._compiled_template()
@@ -87,8 +92,10 @@ class Tokenizer:
         return self._vocab.is_eog(token_id)
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
-        """A plain prompt. Control-token text in it (``<|im_end|>``) stays plain text."""
-        return list(self._vocab.tokenize(_utf8(text, "the prompt"), add_special, False))
+        """A plain prompt. Control-token text in it (``<|im_end|>``, ``<tool_call>``) stays plain
+        text: unlike llama-server, localllm never reads control tokens out of a prompt's text;
+        send token ids for those."""
+        return self._plain(_utf8(text, "the prompt"), add_special)
 
     def encode_fim(self, prefix: str, suffix: str) -> list[int]:
         """A fill-in-the-middle prompt: ``<fim_pre> prefix <fim_suf> suffix <fim_mid>``; the
@@ -99,8 +106,8 @@ class Tokenizer:
                 f"{self._what} has no fill-in-the-middle tokens; use a code model trained for "
                 "it (such as qwen2.5-coder) or send a plain prompt"
             )
-        ids = [v.fim_pre_id, *v.tokenize(_utf8(prefix, "the prefix"), False, False),
-               v.fim_suf_id, *v.tokenize(_utf8(suffix, "the suffix"), False, False), v.fim_mid_id]
+        ids = [v.fim_pre_id, *self._plain(_utf8(prefix, "the prefix")),
+               v.fim_suf_id, *self._plain(_utf8(suffix, "the suffix")), v.fim_mid_id]
         if v.add_bos and v.bos_id is not None:
             ids.insert(0, v.bos_id)
         return ids
@@ -141,7 +148,8 @@ class Tokenizer:
         ids: list[int] = []
         for text, is_content in spans:
             if text:
-                ids += self._vocab.tokenize(_utf8(text, "the chat"), False, not is_content)
+                data = _utf8(text, "the chat")
+                ids += self._plain(data) if is_content else self._vocab.tokenize(data, False, True)
         # A template that writes bos_token itself already produced BOS; never add a second.
         bos_id = self._vocab.bos_id
         if self._vocab.add_bos and bos_id is not None and (not ids or ids[0] != bos_id):
@@ -304,7 +312,41 @@ class Tokenizer:
 
     def _has_control_text(self, text: str) -> bool:
         data = _utf8(text, "the chat")
-        return self._vocab.tokenize(data, False, True) != self._vocab.tokenize(data, False, False)
+        return (self._vocab.tokenize(data, False, True) != self._vocab.tokenize(data, False, False)
+                or any(m.encode() in data for m in self._markup()))
+
+    def _markup(self) -> tuple[str, ...]:
+        """User-defined tokens that are the chat's markup, not text: written by the chat
+        template and not whitespace (Qwen's ``<tool_call>``; not Gemma's ``<table>`` or
+        newline runs, which are text). llama.cpp matches them even in plain text, so _plain
+        breaks them up."""
+        if self._markup_texts is None:
+            texts = getattr(self._vocab, "user_defined_texts", lambda: ())()
+            source = self._template_source or ""
+            self._markup_texts = tuple(t for t in texts if t.strip() and t in source)
+        return self._markup_texts
+
+    def _plain(self, data: bytes, add_special: bool = False) -> list[int]:
+        """Tokens of data as plain text: control tokens are never parsed, and each markup
+        token's text is split after its first character (``<`` + ``tool_call>``), so the text
+        round-trips but never becomes the token."""
+        cuts = sorted({i + len(m[0].encode()) for m in self._markup() for i in _find_all(data, m.encode())})
+        if not cuts:
+            return list(self._vocab.tokenize(data, add_special, False))
+        v = self._vocab
+        ids: list[int] = [v.bos_id] if add_special and v.add_bos and v.bos_id is not None else []
+        for start, end in zip([0, *cuts], [*cuts, len(data)]):
+            if start < end:
+                ids += self._vocab.tokenize(data[start:end], False, False)
+        return ids
+
+
+def _find_all(data: bytes, needle: bytes) -> list[int]:
+    found, i = [], data.find(needle)
+    while i >= 0:
+        found.append(i)
+        i = data.find(needle, i + 1)
+    return found
 
 
 def _utf8(text: object, what: str) -> bytes:

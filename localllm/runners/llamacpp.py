@@ -150,6 +150,7 @@ class LlamaVocab:
         self.chat_template = template.decode("utf-8", "replace") if template else None
         self._pieces: dict[int, bytes] = {}
         self._buf = ctypes.create_string_buffer(256)
+        self._user_defined: tuple[str, ...] | None = None
 
     def tokenize(self, text: bytes, add_special: bool, parse_special: bool) -> list[int]:
         n_max = len(text) + 8
@@ -168,6 +169,16 @@ class LlamaVocab:
             buf = ctypes.create_string_buffer(-n)
             n = L.llama_token_to_piece(self._vocab, token_id, buf, len(buf), 0, special)
         return buf.raw[:n]
+
+    def user_defined_texts(self) -> tuple[str, ...]:
+        """The texts of the user-defined tokens (Qwen's <tool_call>), which llama.cpp matches in
+        any text, parse_special or not; read once, on first use (a scan of the vocabulary)."""
+        if self._user_defined is None:
+            attr = L.llama_vocab_get_attr
+            self._user_defined = tuple(
+                self._piece(i, special=True).decode("utf-8", "replace") for i in range(self.n_vocab)
+                if attr(self._vocab, i) & L.LLAMA_TOKEN_ATTR_USER_DEFINED)
+        return self._user_defined
 
     def token_to_piece(self, token_id: int) -> bytes:
         piece = self._pieces.get(token_id)
