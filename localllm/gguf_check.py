@@ -106,6 +106,12 @@ def _check_hparams(path: Path, meta: dict, arch: str, info: GGUFInfo) -> None:
         if isinstance(eps, float) and not (math.isfinite(eps) and eps >= 0):
             raise _fail(path, f"key {key} is {eps}, not a small positive number")
 
+    rope = _counts(path, meta, f"{arch}.rope.dimension_count")
+    if rope is not None and info.head_count:
+        head_k = info.key_length or 0
+        if len(rope) != 1 or not 0 < rope[0] <= head_k or rope[0] % 2:
+            raise _fail(path, f"key {arch}.rope.dimension_count is {_short(meta[f'{arch}.rope.dimension_count'])}, "
+                              f"not an even number of dimensions from 2 to the head size {head_k}")
     if arch in _EQUAL_HEAD_DIMS and info.head_count:
         n_embd = info.embedding_length or 0
         key_length = _counts(path, meta, f"{arch}.attention.key_length")
