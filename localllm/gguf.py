@@ -106,6 +106,7 @@ class _Part:
     tensor_bytes: int
     data_start: int = 0
     tensors: tuple[TensorEntry, ...] = ()
+    kept_strings: tuple[bytes, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,11 @@ def read_info(path: str | Path) -> GGUFInfo:
     Raises ModelLoadError for anything that is not a well-formed GGUF model file.
     """
     path = Path(path)
-    first = _read_part(path)
+    return _info(path, _read_part(path))
+
+
+def _info(path: Path, first: _Part) -> GGUFInfo:
+    """read_info, from the first part already read."""
     meta = first.metadata
     split_count = _get_count(path, meta, "split.count") or 1
     parts = _split_paths(path, meta, split_count) if split_count > 1 else [path]
@@ -312,7 +317,14 @@ def tensor_table(path: str | Path) -> tuple[dict, int, tuple[TensorEntry, ...]]:
     return part.metadata, part.data_start, part.tensors
 
 
-def _read_part(path: Path) -> _Part:
+def token_texts(path: str | Path) -> tuple[bytes, ...] | None:
+    """The raw bytes of every token of the file's vocabulary (tokenizer.ggml.tokens), as
+    llama.cpp reads them; None when the file has no such array of strings."""
+    path = Path(path)
+    return _read_part(path, keep_strings="tokenizer.ggml.tokens").kept_strings
+
+
+def _read_part(path: Path, keep_strings: str | None = None) -> _Part:
     try:
         is_file = stat.S_ISREG(path.stat().st_mode)  # a FIFO or a device would block or never end
     except FileNotFoundError:
@@ -326,7 +338,7 @@ def _read_part(path: Path) -> _Part:
             if f.seek(0, 2) == 0:
                 raise ModelLoadError(f"{path} is empty, not a GGUF model; download it again")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                return _Parser(path, buf).parse()
+                return _Parser(path, buf, keep_strings).parse()
     except (OSError, ValueError) as e:  # permissions, a file that vanished, mmap refusing it
         raise ModelLoadError(f"{path} cannot be read ({e}); pass the path to a readable .gguf file") from None
 
@@ -334,11 +346,13 @@ def _read_part(path: Path) -> _Part:
 class _Parser:
     """Reads one GGUF file from a buffer, checking every length before it trusts it."""
 
-    def __init__(self, path: Path, buf) -> None:
+    def __init__(self, path: Path, buf, keep_strings: str | None = None) -> None:
         self.path = path
         self.buf = buf
         self.pos = 0
         self.end = len(buf)
+        self.keep_strings = keep_strings  # the key of one string array to return as bytes
+        self.kept_strings: tuple[bytes, ...] | None = None
 
     def fail(self, problem: str) -> ModelLoadError:
         return ModelLoadError(f"{self.path} is not a valid GGUF file: {problem}; "
@@ -411,7 +425,7 @@ class _Parser:
                             f"{self.end}; the file is truncated")
         return _Part(version=version, metadata=metadata, size_bytes=self.end, num_tensors=num_tensors,
                      num_parameters=num_parameters, tensor_bytes=tensor_bytes, data_start=data_start,
-                     tensors=tuple(self.tensors))
+                     tensors=tuple(self.tensors), kept_strings=self.kept_strings)
 
     def key_values(self, num_kv: int) -> tuple[dict, dict[str, int]]:
         """The metadata, and each key's GGUF value type."""
@@ -451,7 +465,9 @@ class _Parser:
             raise self.fail(f"array {key!r} claims {length} items, more than the rest of the file "
                             f"could hold; the file is truncated or damaged")
         if item_type == _TYPE_STRING:
-            self.skip_strings(key, length)
+            kept = self.skip_strings(key, length, keep=key == self.keep_strings)
+            if kept is not None:
+                self.kept_strings = kept
             return GGUFArray("string", length)
         if length > MAX_DECODED_ARRAY:
             self.pos += length * item_size  # bounds checked above
@@ -463,10 +479,12 @@ class _Parser:
             values = tuple(bool(v) for v in values)
         return values
 
-    def skip_strings(self, key: str, count: int) -> None:
-        """Steps over count strings (a vocabulary: 150k of them) without decoding them."""
+    def skip_strings(self, key: str, count: int, keep: bool = False) -> tuple[bytes, ...] | None:
+        """Steps over count strings (a vocabulary: 150k of them) without decoding them; with
+        keep, returns their raw bytes."""
         pos, end, buf = self.pos, self.end, self.buf
         unpack_from = struct.unpack_from
+        kept: list[bytes] | None = [] if keep else None
         for i in range(count):
             if end - pos < 8:
                 self.pos = pos
@@ -477,8 +495,11 @@ class _Parser:
                 self.pos = pos
                 raise self.fail(f"item {i} of {key!r} claims to be {n} bytes long, but "
                                 f"{end - pos} bytes are left; the file is truncated or damaged")
+            if kept is not None:
+                kept.append(buf[pos:pos + n])
             pos += n
         self.pos = pos
+        return tuple(kept) if kept is not None else None
 
     def tensor_infos(self, num_tensors: int, alignment: int) -> tuple[int, int, int]:
         """Checks the tensor table as llama.cpp does; returns (elements, tensor bytes, bytes
@@ -523,3 +544,4 @@ class _Parser:
             tensor_bytes += num_bytes
             self.tensors.append(TensorEntry(name, type_name, tuple(shape), offset, num_bytes))
         return num_parameters, tensor_bytes, data_size
+

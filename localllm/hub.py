@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 from localllm.catalog import HubRef, pick_file, quant_of, split_parts
 from localllm.errors import DownloadError, LocalLLMError, ModelLoadError, UsageError
 from localllm.gguf import GGUFInfo, read_info
+from localllm.gguf_check import check_model
 from localllm.store import InstalledModel, ModelStore
 
 REVISION = "main"
@@ -81,7 +82,7 @@ def pull(ref: HubRef, store: ModelStore, *, progress: bool = True, endpoint: str
                 downloaded.append(path)
         _write_ref(_storage(cache, ref.repo), REVISION, plan.commit)
     try:
-        info = read_info(paths[0])  # checks every part of a split model too
+        info = check_model(paths[0])  # checks every part of a split model too
     except ModelLoadError as e:
         for path in downloaded:  # the hub's bytes, but no model: leave nothing of this pull behind
             _unlink_cached(path)
@@ -105,7 +106,7 @@ def import_local(path: Path, store: ModelStore) -> InstalledModel:
         raise ModelLoadError(f"{path.name} is one of {len(files)} parts of a split model, and "
                              f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not in {path.parent}; "
                              "put all the parts in one folder and import again")
-    info = read_info(files[0])
+    info = check_model(files[0])
     name = _SPLIT_SUFFIX.sub("", files[0].stem)
     existing = store.get(name)
     if existing is not None and existing.files != [str(f) for f in files]:

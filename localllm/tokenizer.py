@@ -7,17 +7,16 @@ so all of it is tested without a model.
 from __future__ import annotations
 
 import codecs
-import json
 import re
 import secrets
 from collections.abc import Callable, Sequence
-from datetime import datetime
 from typing import Any, NoReturn, Protocol
 
 from jinja2 import Template
 from jinja2.exceptions import SecurityError, TemplateSyntaxError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from localllm import chat_template
+from localllm.chat_template import SandboxEnvironment, TemplateLimitError
 from localllm.errors import TemplateError, UsageError
 
 
@@ -41,6 +40,10 @@ class Vocab(Protocol):
 
     def is_eog(self, token_id: int) -> bool: ...  # end of generation: EOS, EOT, <|im_end|>...
 
+    # Optional: the texts of user-defined tokens, which the tokenizer matches even in plain
+    # text (Qwen's <tool_call>); see Tokenizer._plain.
+    # def user_defined_texts(self) -> tuple[str, ...]: ...
+
 
 # A span of rendered chat text and whether it came from a message's content (never parsed
 # for control tokens) rather than from the template (parsed).
@@ -50,14 +53,28 @@ _Span = tuple[str, bool]
 class Tokenizer:
     """Text <-> token ids for one model, and its chat template.
 
-    ``name`` only labels error messages; ``chat_template`` replaces the one in the GGUF.
+    ``name`` only labels error messages; ``chat_template`` replaces the one in the GGUF. The
+    template compiles here, at model load; one that does not compile leaves
+    ``template_error`` set, and every chat fails with it (plain prompts still work).
+    ``render_timeout_s`` and ``max_template_chars`` bound each render (chat_template.py).
     """
 
-    def __init__(self, vocab: Vocab, name: str = "", chat_template: str | None = None) -> None:
+    def __init__(self, vocab: Vocab, name: str = "", chat_template: str | None = None, *,
+                 render_timeout_s: float = chat_template.DEFAULT_TIMEOUT_S,
+                 max_template_chars: int = chat_template.DEFAULT_MAX_CHARS) -> None:
         self._vocab = vocab
         self._what = f"model {name!r}" if name else "this model"
         self._template_source = chat_template if chat_template is not None else vocab.chat_template
-        self._template: Template | None = None  # compiled on first use, then reused
+        self._template: Template | None = None
+        self._render_timeout_s = render_timeout_s
+        self._max_chars = max_template_chars
+        self.template_error: TemplateError | None = None
+        self._markup_texts: tuple[str, ...] | None = None
+        if self._template_source:
+            try:
+                self._compiled_template()
+            except TemplateError as e:
+                self.template_error = e
 
     @property
     def n_vocab(self) -> int:
@@ -75,8 +92,10 @@ class Tokenizer:
         return self._vocab.is_eog(token_id)
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
-        """A plain prompt. Control-token text in it (``<|im_end|>``) stays plain text."""
-        return list(self._vocab.tokenize(_utf8(text, "the prompt"), add_special, False))
+        """A plain prompt. Control-token text in it (``<|im_end|>``, ``<tool_call>``) stays plain
+        text: unlike llama-server, localllm never reads control tokens out of a prompt's text;
+        send token ids for those."""
+        return self._plain(_utf8(text, "the prompt"), add_special)
 
     def encode_fim(self, prefix: str, suffix: str) -> list[int]:
         """A fill-in-the-middle prompt: ``<fim_pre> prefix <fim_suf> suffix <fim_mid>``; the
@@ -87,8 +106,8 @@ class Tokenizer:
                 f"{self._what} has no fill-in-the-middle tokens; use a code model trained for "
                 "it (such as qwen2.5-coder) or send a plain prompt"
             )
-        ids = [v.fim_pre_id, *v.tokenize(_utf8(prefix, "the prefix"), False, False),
-               v.fim_suf_id, *v.tokenize(_utf8(suffix, "the suffix"), False, False), v.fim_mid_id]
+        ids = [v.fim_pre_id, *self._plain(_utf8(prefix, "the prefix")),
+               v.fim_suf_id, *self._plain(_utf8(suffix, "the suffix")), v.fim_mid_id]
         if v.add_bos and v.bos_id is not None:
             ids.insert(0, v.bos_id)
         return ids
@@ -116,6 +135,11 @@ class Tokenizer:
         messages = _normalize_messages(messages)
         if tools is not None and not isinstance(tools, list):
             raise UsageError(f"tools is a {type(tools).__name__}; give a list of tool definitions")
+        num_chars = sum(len(m["content"] or "") for m in messages) + len(repr(tools or ""))
+        if num_chars > self._max_chars // 2:
+            raise UsageError(f"the chat is {num_chars} characters long, more than the "
+                             f"{self._max_chars // 2} localllm renders through a chat template; "
+                             "send a shorter chat")
         rendered = self._render(template, messages, add_generation_prompt, tools)
         spans = self._spans_by_markers(template, messages, add_generation_prompt, tools, rendered)
         if spans is None:
@@ -124,7 +148,8 @@ class Tokenizer:
         ids: list[int] = []
         for text, is_content in spans:
             if text:
-                ids += self._vocab.tokenize(_utf8(text, "the chat"), False, not is_content)
+                data = _utf8(text, "the chat")
+                ids += self._plain(data) if is_content else self._vocab.tokenize(data, False, True)
         # A template that writes bos_token itself already produced BOS; never add a second.
         bos_id = self._vocab.bos_id
         if self._vocab.add_bos and bos_id is not None and (not ids or ids[0] != bos_id):
@@ -136,23 +161,26 @@ class Tokenizer:
     def _compiled_template(self) -> Template:
         if self._template is not None:
             return self._template
+        if self.template_error is not None:
+            raise self.template_error
         if not self._template_source:
             raise TemplateError(
                 f"{self._what} has no chat template; run without --chat, or use an "
                 "instruct/chat build of the model (its GGUF carries tokenizer.chat_template)"
             )
-        env = _SandboxEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        env.filters["tojson"] = _tojson
+        env = SandboxEnvironment()
         env.globals["raise_exception"] = self._raise_exception
-        env.globals["strftime_now"] = _strftime_now
         try:
             self._template = env.from_string(self._template_source)
         except TemplateSyntaxError as e:
-            raise TemplateError(
+            raise TemplateLimitError(
                 f"the chat template of {self._what} does not compile (line {e.lineno}: "
                 f"{e.message}); the GGUF's template is broken: use another build of the model"
+            ) from None
+        except Exception as e:  # the compiler on untrusted input: any failure is the template's
+            raise TemplateLimitError(
+                f"the chat template of {self._what} does not compile ({type(e).__name__}: {e}); "
+                "the GGUF's template is broken: use another build of the model"
             ) from None
         return self._template
 
@@ -166,20 +194,23 @@ class Tokenizer:
         add_generation_prompt: bool,
         tools: list[Any] | None,
     ) -> str:
+        context = {"messages": messages, "add_generation_prompt": add_generation_prompt,
+                   "tools": tools, "bos_token": self._vocab.bos_text, "eos_token": self._vocab.eos_text}
         try:
-            return template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-                bos_token=self._vocab.bos_text,
-                eos_token=self._vocab.eos_text,
-            )
+            return chat_template.render(template, context, timeout_s=self._render_timeout_s,
+                                        max_chars=self._max_chars)
+        except TemplateLimitError as e:
+            raise TemplateLimitError(
+                f"the chat template of {self._what} was stopped: {e}; do not trust this GGUF's "
+                "template: use another build of the model"
+            ) from None
         except TemplateError:
             raise  # raise_exception(): the template's own words
-        except SecurityError as e:
-            raise TemplateError(
+        except (SecurityError, RecursionError, MemoryError) as e:
+            raise TemplateLimitError(
                 f"the chat template of {self._what} tried an unsafe operation and was stopped "
-                f"({e}); do not trust this GGUF's template: use another build of the model"
+                f"({type(e).__name__}: {e}); do not trust this GGUF's template: use another "
+                "build of the model"
             ) from None
         except Exception as e:  # the template is untrusted code: any failure is its failure
             raise TemplateError(
@@ -223,6 +254,8 @@ class Tokenizer:
             return [(rendered, False)]
         try:
             marked = self._render(template, marked_messages, add_generation_prompt, tools)
+        except TemplateLimitError:
+            raise
         except TemplateError:
             return None
 
@@ -279,32 +312,41 @@ class Tokenizer:
 
     def _has_control_text(self, text: str) -> bool:
         data = _utf8(text, "the chat")
-        return self._vocab.tokenize(data, False, True) != self._vocab.tokenize(data, False, False)
+        return (self._vocab.tokenize(data, False, True) != self._vocab.tokenize(data, False, False)
+                or any(m.encode() in data for m in self._markup()))
+
+    def _markup(self) -> tuple[str, ...]:
+        """User-defined tokens that are the chat's markup, not text: written by the chat
+        template and not whitespace (Qwen's ``<tool_call>``; not Gemma's ``<table>`` or
+        newline runs, which are text). llama.cpp matches them even in plain text, so _plain
+        breaks them up."""
+        if self._markup_texts is None:
+            texts = getattr(self._vocab, "user_defined_texts", lambda: ())()
+            source = self._template_source or ""
+            self._markup_texts = tuple(t for t in texts if t.strip() and t in source)
+        return self._markup_texts
+
+    def _plain(self, data: bytes, add_special: bool = False) -> list[int]:
+        """Tokens of data as plain text: control tokens are never parsed, and each markup
+        token's text is split after its first character (``<`` + ``tool_call>``), so the text
+        round-trips but never becomes the token."""
+        cuts = sorted({i + len(m[0].encode()) for m in self._markup() for i in _find_all(data, m.encode())})
+        if not cuts:
+            return list(self._vocab.tokenize(data, add_special, False))
+        v = self._vocab
+        ids: list[int] = [v.bos_id] if add_special and v.add_bos and v.bos_id is not None else []
+        for start, end in zip([0, *cuts], [*cuts, len(data)]):
+            if start < end:
+                ids += self._vocab.tokenize(data[start:end], False, False)
+        return ids
 
 
-class _SandboxEnvironment(ImmutableSandboxedEnvironment):
-    """The sandbox, but touching an unsafe attribute fails at once instead of rendering ""."""
-
-    def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:
-        kind = type(obj).__name__
-        raise SecurityError(f"access to attribute {attribute!r} of {kind!r} is unsafe")
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # Hugging Face's tojson: no HTML escaping, non-ASCII kept as is.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
+def _find_all(data: bytes, needle: bytes) -> list[int]:
+    found, i = [], data.find(needle)
+    while i >= 0:
+        found.append(i)
+        i = data.find(needle, i + 1)
+    return found
 
 
 def _utf8(text: object, what: str) -> bytes:

@@ -97,7 +97,7 @@ def _placement(report: dict) -> tuple[str, str, int | None]:
 
 
 def _models(report: dict) -> list[dict]:
-    from localllm.gguf import read_info
+    from localllm.gguf_check import check_model
     from localllm.store import ModelStore
 
     entries = []
@@ -109,7 +109,7 @@ def _models(report: dict) -> list[dict]:
             entry["error"] = f"its file {missing} is gone; `localllm rm {model.name}` forgets it"
             continue
         try:
-            info = read_info(model.path)
+            info = check_model(model.path)
         except LocalLLMError as e:
             entry["error"] = str(e)
             continue

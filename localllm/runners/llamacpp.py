@@ -31,7 +31,7 @@ from localllm.config import EngineConfig
 from localllm.engine.request import Sequence
 from localllm.engine.scheduler import SchedulerOutput
 from localllm.errors import EngineError, ModelLoadError, UsageError
-from localllm.gguf import read_info
+from localllm.gguf_check import check_model
 
 
 _KV_SIZE_LINE = re.compile(rb"llama_kv_cache: +size = +([0-9.]+) MiB")
@@ -60,9 +60,9 @@ def _init_backend() -> None:
 
 def check_gguf(path: Path) -> None:
     """Fail with a clear error before llama.cpp sees a file that cannot be a model: llama.cpp
-    aborts the whole process on some malformed files, so the header, metadata and tensor
-    table are checked in Python first (about 30 ms for a 500 MB model)."""
-    read_info(path)
+    aborts the whole process on some malformed files, so the header, metadata, tensor table
+    and vocabulary are checked in Python first (localllm.gguf_check; about twice read_info)."""
+    check_model(path)
 
 
 # ggml_backend_dev_type, in ggml-backend.h's order.
@@ -150,6 +150,7 @@ class LlamaVocab:
         self.chat_template = template.decode("utf-8", "replace") if template else None
         self._pieces: dict[int, bytes] = {}
         self._buf = ctypes.create_string_buffer(256)
+        self._user_defined: tuple[str, ...] | None = None
 
     def tokenize(self, text: bytes, add_special: bool, parse_special: bool) -> list[int]:
         n_max = len(text) + 8
@@ -168,6 +169,16 @@ class LlamaVocab:
             buf = ctypes.create_string_buffer(-n)
             n = L.llama_token_to_piece(self._vocab, token_id, buf, len(buf), 0, special)
         return buf.raw[:n]
+
+    def user_defined_texts(self) -> tuple[str, ...]:
+        """The texts of the user-defined tokens (Qwen's <tool_call>), which llama.cpp matches in
+        any text, parse_special or not; read once, on first use (a scan of the vocabulary)."""
+        if self._user_defined is None:
+            attr = L.llama_vocab_get_attr
+            self._user_defined = tuple(
+                self._piece(i, special=True).decode("utf-8", "replace") for i in range(self.n_vocab)
+                if attr(self._vocab, i) & L.LLAMA_TOKEN_ATTR_USER_DEFINED)
+        return self._user_defined
 
     def token_to_piece(self, token_id: int) -> bytes:
         piece = self._pieces.get(token_id)

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from localllm import __version__
+from localllm.chat_template import TemplateLimitError
 from localllm.config import ServerConfig
 from localllm.engine.engine import AsyncEngine, RequestOutput
 from localllm.engine.request import SamplingParams
@@ -226,6 +227,8 @@ class Server:
         messages = [self.message_dict(m) for m in req.messages]
         try:
             prompt_ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, True, tools)
+        except TemplateLimitError as e:  # the model's template is broken or hostile: not the request's fault
+            raise APIError(500, str(e), type_="server_error", code="chat_template_error") from None
         except (TemplateError, UsageError) as e:
             raise APIError(400, str(e), param="messages") from None
         max_tokens = self.max_tokens_for(len(prompt_ids), req.max_completion_tokens or req.max_tokens, "messages")

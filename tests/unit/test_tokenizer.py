@@ -322,13 +322,13 @@ def test_explicit_template_overrides_the_gguf_one():
 
 def test_template_is_compiled_once(monkeypatch):
     compiled = []
-    real = tokenizer_module._SandboxEnvironment.from_string
+    real = tokenizer_module.SandboxEnvironment.from_string
 
     def counting(self, source, *args, **kwargs):
         compiled.append(source)
         return real(self, source, *args, **kwargs)
 
-    monkeypatch.setattr(tokenizer_module._SandboxEnvironment, "from_string", counting)
+    monkeypatch.setattr(tokenizer_module.SandboxEnvironment, "from_string", counting)
     tok = Tokenizer(FakeVocab())
     first = tok.apply_chat_template([user("a")])
     assert tok.apply_chat_template([user("a")]) == first
