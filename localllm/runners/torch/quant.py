@@ -33,7 +33,8 @@ FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 # takes them to int4 too (fewer bytes a step, less faithful: docs/benchmarks.md's frontier).
 # "gguf-blocks" (where the native kernels were built): Q4_0 / Q5_0 / Q8_0 tensors stay in the
 # file's own blocks, multiplied by native/qmatmul.c as llama.cpp multiplies them (BlockLinear),
-# with float32 activations; the rest as the default scheme.
+# with float32 activations; the rest as "int4-int8-bf16". The runner takes it on the CPU
+# wherever the native kernels are there, and DEFAULT_SCHEME elsewhere (CUDA, MPS, no compiler).
 SCHEMES = {"int4-int8-bf16": INT8_TYPES, "int4-bf16": frozenset({"Q6_K", "Q8_0"}), "gguf-blocks": INT8_TYPES}
 DEFAULT_SCHEME = "int4-int8-bf16"
 BLOCK_SCHEMES = frozenset({"gguf-blocks"})

@@ -113,7 +113,10 @@ class TorchRunner:
                                  "use --runner llamacpp")
         # Quantized files: int4 / int8 weights with bfloat16 matmuls (see quant.py); files of
         # floats: float32 throughout (the exact path the parity tests compare).
-        scheme = scheme or quant.DEFAULT_SCHEME
+        # On the CPU with the native kernels: the file's own blocks (as llama.cpp computes them;
+        # faster and more faithful there, docs/benchmarks.md); elsewhere int4 / int8.
+        on_cpu_native = self.device.type == "cpu" and native_kernels.available()
+        scheme = scheme or ("gguf-blocks" if on_cpu_native else quant.DEFAULT_SCHEME)
         if scheme not in quant.SCHEMES:
             raise EngineError(f"weight scheme {scheme!r} is not one of {', '.join(quant.SCHEMES)}")
         if scheme in quant.BLOCK_SCHEMES and not (native_kernels.available() and self.device.type == "cpu"):
