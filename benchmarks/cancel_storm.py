@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 MODES = ("before_response", "prefill", "mid_stream", "complete")
 WEIGHTS = (0.25, 0.3, 0.35, 0.1)
+REQUEST_TIMEOUT_S = 300
 WORDS = ("alpha", "river", "stone", "copper", "violet", "engine", "harbor", "lantern", "quartz", "meadow",
          "signal", "orbit", "cedar", "falcon", "ember", "tundra")
 
@@ -168,7 +169,10 @@ async def storm(port: int, api_key: str, model: str, num_requests: int, concurre
 
     async def gated(i: int) -> Outcome:
         async with gate:
-            return await one(port, api_key, model, i, plans[i], seed)
+            try:
+                return await asyncio.wait_for(one(port, api_key, model, i, plans[i], seed), REQUEST_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                return Outcome(plans[i][0], error=f"no end within {REQUEST_TIMEOUT_S} s: the server hangs")
 
     outcomes = await asyncio.gather(*(gated(i) for i in range(num_requests)))
     errors = [f"request {i} ({o.mode}): {o.error}" for i, o in enumerate(outcomes) if o.error]
