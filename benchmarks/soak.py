@@ -13,8 +13,8 @@ fixed greedy question and the answer must stay the same all run long.
 An *error* is anything a well-behaved server would not do: a status other than 200, a body or
 stream that does not parse, a stream that ends without `data: [DONE]` or has no finish_reason,
 a usage that does not add up, a changed greedy answer, a transport error on a request we did not
-cancel ourselves. After the run the server must be idle: 0 KV blocks used, no request running,
-waiting or in flight, no runner sequence held.
+cancel ourselves, no answer within 15 minutes. After the run the server must be idle: 0 KV
+blocks used, no request running, waiting or in flight, no runner sequence held.
 
 Resident memory is VmRSS of /proc/PID/status, sampled every 5 s. *RSS drift* is
 median(last 5 minutes) / median(the 5 minutes after a 3-minute warm-up) - 1; it passes within
@@ -50,6 +50,9 @@ RSS_PERIOD_S = 5.0
 WARM_UP_S = 180.0
 WINDOW_S = 300.0
 DRIFT_LIMIT = 0.10
+# A request with no answer (or, streaming, no next chunk) in 15 minutes is an error: on a 2-core
+# machine shared with other jobs a 96-token answer took over 5 minutes (2026-11-30).
+REQUEST_TIMEOUT_S = 900
 TOPICS = ["the sea", "a lighthouse", "prime numbers", "Python's GIL", "the moon", "a red bicycle", "sourdough",
           "binary search", "glaciers", "the printing press", "owls", "TCP handshakes", "chess openings"]
 PROBE = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
@@ -63,6 +66,7 @@ class Tally:
     num_probes: int = 0
     errors: list[str] = field(default_factory=list)
     by_kind: dict[str, int] = field(default_factory=dict)
+    latencies: dict[str, list[float]] = field(default_factory=dict)  # seconds, requests not cancelled
 
     def error(self, kind: str, what: str) -> None:
         self.errors.append(f"{time.strftime('%H:%M:%S')} {kind}: {what}"[:500])
@@ -199,6 +203,7 @@ async def one_request(c: httpx.AsyncClient, rng: random.Random, model: str, tall
     cancel = rng.random() < 0.2
     tally.num_requests += 1
     tally.by_kind[kind] = tally.by_kind.get(kind, 0) + 1
+    start = time.monotonic()
     try:
         if body["stream"]:
             async with c.stream("POST", path, json=body) as response:
@@ -207,6 +212,8 @@ async def one_request(c: httpx.AsyncClient, rng: random.Random, model: str, tall
                     return
                 if await check_stream(response, body, rng.randint(1, 12) if cancel else None, tally, kind):
                     tally.num_cancelled += 1
+                else:
+                    tally.latencies.setdefault(kind, []).append(time.monotonic() - start)
             return
         request = c.post(path, json=body)
         if cancel:
@@ -220,8 +227,9 @@ async def one_request(c: httpx.AsyncClient, rng: random.Random, model: str, tall
             tally.error(kind, f"status {response.status_code}: {response.text[:300]}")
             return
         check_plain(response.json(), kind, tally)
+        tally.latencies.setdefault(kind, []).append(time.monotonic() - start)
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
-        tally.error(kind, f"{type(e).__name__}: {e}")
+        tally.error(kind, f"{type(e).__name__} after {time.monotonic() - start:.0f} s: {e}")
 
 
 async def probe(c: httpx.AsyncClient, model: str, tally: Tally, expected: list[str]) -> None:
@@ -248,7 +256,7 @@ async def drive(url: str, headers: dict, model: str, num_clients: int, duration_
 
     async def worker(i: int) -> None:
         rng = random.Random(seed * 1000 + i)
-        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=300) as c:
+        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=REQUEST_TIMEOUT_S) as c:
             while time.monotonic() < deadline:
                 await one_request(c, rng, model, tally)
 
@@ -333,7 +341,9 @@ def main() -> int:
           and drift["drift"] is not None and abs(drift["drift"]) <= DRIFT_LIMIT)
     report = {"machine": machine(), "minutes": args.minutes, "clients": args.clients, "seed": args.seed,
               "requests": tally.num_requests, "cancelled": tally.num_cancelled, "tokens": tally.num_tokens,
-              "probes": tally.num_probes, "by_kind": tally.by_kind, "errors": tally.errors[:50],
+              "probes": tally.num_probes, "by_kind": tally.by_kind,
+              "latency_s": {k: {"median": round(statistics.median(v), 1), "max": round(max(v), 1)}
+                            for k, v in sorted(tally.latencies.items())}, "errors": tally.errors[:50],
               "num_errors": len(tally.errors), "idle_after": idle, "health": health, "rss": drift,
               "rss_per_minute_mib": timeline, "num_rss_samples": len(samples), "passed": ok}
     print(json.dumps(report, indent=2))
