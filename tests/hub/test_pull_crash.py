@@ -121,7 +121,7 @@ def test_sigkill_at_random_moments_of_a_pull(hub_env, capsys):
         while len(hub_env.hub.requests) == start and proc.poll() is None:  # it has started talking
             assert time.monotonic() < deadline, "the pull never reached the hub"
             time.sleep(0.002)
-        time.sleep(rng.uniform(0.0, window * 1.1))
+        time.sleep(rng.uniform(0.0, window * 0.8))
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
 
