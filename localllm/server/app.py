@@ -186,10 +186,14 @@ class Server:
         listener = asyncio.create_task(client_left())
         try:
             await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
+            if not task.done() and listener.exception() is None:
                 task.cancel()  # the client left: the streams' exits abort the requests
+            elif not task.done():  # the listener failed, which says nothing of the client
+                await asyncio.wait({task})
         finally:
             listener.cancel()
+            if not task.done():  # this handler itself was cancelled: the generation goes too
+                task.cancel()
         try:
             await task
         except asyncio.CancelledError:
