@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 
 from localllm.catalog import HubRef, pick_file, quant_of, split_parts
 from localllm.errors import DownloadError, LocalLLMError, ModelLoadError, UsageError
+from localllm.files import fsync_dir, fsync_file, write_atomic
 from localllm.gguf import GGUFInfo, read_info
 from localllm.gguf_check import check_model
 from localllm.store import InstalledModel, ModelStore
@@ -195,6 +196,9 @@ def _fetch(repo: str, name: str, plan: _Plan, *, cache: Path, endpoint: str | No
         headers.pop("authorization", None)  # a signed CDN address: the token stays with the hub
     blob = storage / "blobs" / meta.etag
     blob.parent.mkdir(parents=True, exist_ok=True)
+    # As hf_hub_download does: a repo folder without snapshots/ is one huggingface_hub's cache
+    # scan calls corrupt, and a killed pull leaves only blobs/*.incomplete behind.
+    pointer.parent.mkdir(parents=True, exist_ok=True)
     lock = cache / ".locks" / storage.name / f"{meta.etag}.lock"  # the lock hf_hub_download takes too
     lock.parent.mkdir(parents=True, exist_ok=True)
     with WeakFileLock(lock):
@@ -246,7 +250,9 @@ def _download(url: str, headers: dict[str, str], blob: Path, size: int | None, e
     if expected is not None and actual != expected[0]:
         partial.unlink()
         raise _mismatch(repo, name, expected, actual)
+    fsync_file(partial)  # the blob's name promises its bytes: they reach the disk before it appears
     os.replace(partial, blob)
+    fsync_dir(blob.parent)
     return actual
 
 
@@ -457,14 +463,13 @@ def _snapshot_of(pointer: Path) -> Path | None:
 
 
 def _write_ref(storage: Path, revision: str, commit: str) -> None:
-    """refs/<revision> = commit, atomically: offline, huggingface_hub finds the snapshot through it."""
+    """refs/<revision> = commit, atomically: offline, huggingface_hub finds the snapshot through it.
+    The temporary file lies in the repo folder, not in refs/, where huggingface_hub's cache scan
+    would read one left by a killed pull as a ref to a missing commit."""
     path = storage / "refs" / revision
     if path.is_file() and path.read_text().strip() == commit:
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(commit)
-    os.replace(tmp, path)
+    write_atomic(path, commit.encode(), tmp_dir=storage)
 
 
 def _storage(cache: Path, repo: str) -> Path:

@@ -5,12 +5,11 @@ person keeps them (imported paths, never copied or deleted by us)."""
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from localllm.errors import UsageError
+from localllm.files import write_atomic
 
 MANIFEST_VERSION = 1
 
@@ -38,7 +37,7 @@ class InstalledModel:
 
 class ModelStore:
     """``models.json`` in the data folder. Every change rewrites it atomically (temporary file,
-    fsync, rename), so a crash leaves the old or the new manifest, never half of one."""
+    fsync, rename, folder fsync), so a crash leaves the old or the new manifest, never half of one."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -78,15 +77,5 @@ class ModelStore:
             raise UsageError(f"the model list {self.path} is damaged ({e}); move it aside") from None
 
     def _write(self, models: dict[str, InstalledModel]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         data = {"version": MANIFEST_VERSION, "models": [asdict(m) for m in models.values()]}
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".models.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=2)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(self.path, json.dumps(data, indent=2).encode("utf-8"))

@@ -355,6 +355,7 @@ class LLMEngine:
             num_draft_proposed=self.num_draft_proposed,
             num_draft_accepted=self.num_draft_accepted,
             num_disk_cached_tokens=self.num_disk_cached_tokens,
+            num_runner_seqs=getattr(self.runner, "num_active_slots", 0),
         )
 
     def close(self) -> None:

@@ -68,6 +68,9 @@ class EngineStats:
     num_draft_proposed: int = 0  # speculative draft tokens checked, and of those accepted
     num_draft_accepted: int = 0
     num_disk_cached_tokens: int = 0  # prompt tokens loaded from the on-disk prefix cache
+    # Sequences the runner holds KV storage for (llama.cpp's active slots); a runner that keeps
+    # no per-sequence state reports 0. With no request left it must be 0, or storage leaked.
+    num_runner_seqs: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -52,6 +52,8 @@ from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
+from localllm.files import fsync_dir
+
 log = logging.getLogger("localllm.prefix_cache")
 
 MAGIC = b"LLMKVPFX"
@@ -515,7 +517,7 @@ class PrefixStore:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-            _fsync_dir(index.entries_dir)
+            fsync_dir(index.entries_dir)
         except OSError as e:
             tmp.unlink(missing_ok=True)
             self.num_write_errors += 1
@@ -553,19 +555,6 @@ class PrefixStore:
         if message not in self._warned:
             self._warned.add(message)
             log.warning("%s", message)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # not possible on every platform (Windows)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def parse_size(text: str) -> int:

@@ -176,10 +176,24 @@ class Server:
             async for i, out in self._run_choices(prompt_ids, params):
                 self._add(choices[i], out)
 
+        async def client_left() -> None:
+            # A blocking receive, not request.is_disconnected(): behind the @app.middleware
+            # layer (Starlette's BaseHTTPMiddleware) its zero-timeout poll never sees the
+            # disconnect, and a dropped request ran on to max_tokens.
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
         task = asyncio.create_task(consume())
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.25)
-            if not task.done() and await request.is_disconnected():
+        listener = asyncio.create_task(client_left())
+        try:
+            await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done() and listener.exception() is None:
+                task.cancel()  # the client left: the streams' exits abort the requests
+            elif not task.done():  # the listener failed, which says nothing of the client
+                await asyncio.wait({task})
+        finally:
+            listener.cancel()
+            if not task.done():  # this handler itself was cancelled: the generation goes too
                 task.cancel()
         try:
             await task
@@ -565,7 +579,7 @@ def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig) -> F
     @app.get("/metrics")
     async def metrics():
         stats = await asyncio.wrap_future(engine.call(lambda e: e.stats()))
-        body, content_type = server.metrics.render(stats)
+        body, content_type = server.metrics.render(stats, server.num_in_flight)
         return Response(body, media_type=content_type)
 
     return app

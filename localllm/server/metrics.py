@@ -48,6 +48,11 @@ class ServerMetrics:
         self.blocks_used = Gauge("localllm_kv_blocks_used", "KV cache blocks in use", registry=r)
         self.blocks_total = Gauge("localllm_kv_blocks_total", "KV cache blocks in all", registry=r)
         self.blocks_cached = Gauge("localllm_kv_blocks_cached", "KV blocks holding a reusable prefix", registry=r)
+        self.in_flight = Gauge("localllm_requests_in_flight",
+                               "Sequences admitted by the server and not yet ended (what --max-queue counts)",
+                               registry=r)
+        self.runner_seqs = Gauge("localllm_kv_runner_sequences",
+                                 "Sequences the model runner holds KV storage for (llama.cpp slots)", registry=r)
         self.preemptions = Gauge("localllm_preemptions_total", "Sequences preempted and recomputed", registry=r)
         self.engine_counters = _EngineCounters()
         r.register(self.engine_counters)
@@ -67,8 +72,10 @@ class ServerMetrics:
         self.disk_cached_tokens.inc(m.num_disk_cached_tokens)
         self.generated_tokens.inc(m.num_generated_tokens)
 
-    def render(self, stats: EngineStats) -> tuple[bytes, str]:
+    def render(self, stats: EngineStats, num_in_flight: int = 0) -> tuple[bytes, str]:
         self.waiting.set(stats.num_waiting)
+        self.in_flight.set(num_in_flight)
+        self.runner_seqs.set(stats.num_runner_seqs)
         self.running.set(stats.num_running)
         self.blocks_used.set(stats.num_blocks_used)
         self.blocks_total.set(stats.num_blocks_total)

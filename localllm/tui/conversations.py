@@ -182,8 +182,11 @@ class ConversationStore:
         return message
 
     def exclude(self, message_ids: list[int]) -> None:
-        """Drop these messages from the context; they stay in the conversation to read."""
-        self._db.executemany("UPDATE messages SET excluded = 1 WHERE id = ?", [(i,) for i in message_ids])
+        """Drop these messages from the context; they stay in the conversation to read. One
+        transaction: a crash never leaves half a turn dropped (an answer without its question)."""
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.executemany("UPDATE messages SET excluded = 1 WHERE id = ?", [(i,) for i in message_ids])
 
     def _touch(self, conversation_id: str, **columns: str) -> None:
         sets = ", ".join(f"{name} = ?" for name in columns)

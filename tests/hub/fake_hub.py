@@ -13,7 +13,7 @@ What the client asks and what the real hub answers, as served here:
             EntryNotFound (404), RevisionNotFound (404)
 
 Files are bytes in memory or a path on disk (the 253 MB test model is streamed from its file).
-Faults are armed per file: drop the connection after N body bytes once (then optionally
+Faults are armed per file: a slow link (a pause before each chunk), drop the connection after N body bytes once (then optionally
 answer the next GETs with 503), pause after N bytes until released, serve corrupted bytes
 under the true hash, advertise a wrong LFS hash, or list a file whose address answers 404.
 With ``redirect=True`` LFS files answer 302 to ``http://localhost:PORT/cdn/SHA256``, another
@@ -29,6 +29,7 @@ import re
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -78,6 +79,7 @@ class HubFile:
     stalled: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
     gone: bool = False  # listed by the API, but its resolve address answers 404
+    chunk_delay_s: float = 0.0  # a slow link: pause this long before each 1 MiB chunk of the body
 
     def __post_init__(self) -> None:
         self.sha256 = sha256_of(self.data)
@@ -319,6 +321,8 @@ def _make_handler(hub: FakeHub):
             stall, f.stall_after = f.stall_after, None
             try:
                 for chunk in f.read(start, end):
+                    if f.chunk_delay_s:
+                        time.sleep(f.chunk_delay_s)
                     if drop is not None and self.req.bytes_sent + len(chunk) >= drop:
                         self._write(chunk[: drop - self.req.bytes_sent])
                         self._hang_up()

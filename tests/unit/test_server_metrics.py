@@ -28,3 +28,13 @@ def test_draft_counters_follow_the_engine_stats_at_each_scrape():
     body, _ = m.render(_stats(430, 412))
     assert _drafts(body) == {"localllm_draft_tokens_proposed": ("counter", 430.0),
                              "localllm_draft_tokens_accepted": ("counter", 412.0)}
+
+
+def test_leak_gauges_show_in_flight_requests_and_runner_sequences():
+    stats = EngineStats(num_waiting=0, num_running=2, num_blocks_used=7, num_blocks_total=256, num_blocks_cached=0,
+                        num_preemptions=0, num_steps=1, num_prompt_tokens_computed=0, num_tokens_generated=0,
+                        num_runner_seqs=2)
+    body, _ = ServerMetrics().render(stats, num_in_flight=3)
+    gauges = {f.name: (f.type, s.value) for f in text_string_to_metric_families(body.decode())
+              for s in f.samples if f.name in ("localllm_requests_in_flight", "localllm_kv_runner_sequences")}
+    assert gauges == {"localllm_requests_in_flight": ("gauge", 3.0), "localllm_kv_runner_sequences": ("gauge", 2.0)}
