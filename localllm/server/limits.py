@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+import h11
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -84,7 +85,8 @@ class BodyGuard:
 def header_timeout_protocol(read_timeout_s: float) -> type[H11Protocol]:
     """uvicorn's h11 protocol, closing a connection that has not sent a whole request head
     within ``read_timeout_s`` of opening or of its last response (a request in progress is
-    never cut here: its body is BodyGuard's business)."""
+    never cut here: its body is BodyGuard's business), and answering malformed HTTP with
+    OpenAI's error object."""
 
     class HeaderTimeoutProtocol(H11Protocol):
         def connection_made(self, transport) -> None:
@@ -103,5 +105,17 @@ def header_timeout_protocol(read_timeout_s: float) -> type[H11Protocol]:
             waiting = self.cycle is cycle and (cycle is None or cycle.response_complete)
             if waiting and not self.transport.is_closing():
                 self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            """Bytes that are no HTTP request get OpenAI's error object too (uvicorn: plain text)."""
+            body = ErrorResponse(error=ErrorBody(
+                message=f"{msg.rstrip('.')}: the bytes sent are not a well-formed HTTP/1.1 request",
+                type="invalid_request_error", code="invalid_http")).model_dump_json().encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
 
     return HeaderTimeoutProtocol

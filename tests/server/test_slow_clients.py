@@ -228,6 +228,16 @@ def test_the_key_is_checked_before_a_body_is_read(server):
     assert time.monotonic() - start < READ_TIMEOUT_S
 
 
+@pytest.mark.parametrize("junk", [b"NOT HTTP AT ALL\r\n\r\n", b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+                                  b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n"])
+def test_malformed_http_gets_openai_error_and_a_close(server, junk):
+    sock = connect(server)
+    sock.sendall(junk)
+    raw = read_until_closed(sock)
+    assert openai_error(raw, 400)["code"] == "invalid_http"
+    assert parse(raw)[1]["connection"] == "close"
+
+
 def test_the_server_is_whole_after_the_slow_clients(server):
     assert server.process.poll() is None
     assert engine_counts(server) == (0.0, 0.0)
