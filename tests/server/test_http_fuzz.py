@@ -23,15 +23,18 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
                                                response_schema_conformance, status_code_conformance)
-from schemathesis.checks import not_a_server_error
 
 pytestmark = pytest.mark.model
 
 MAX_TOKENS = 4
 MAX_N = 2
 MAX_EXAMPLES = 30  # per operation and phase; the coverage phase adds its own boundary cases
+# Valid bodies run the model (prefill, grammars, n up to 2): 3-7 s each measured on the shared
+# 2-core machine under load, so fewer of them.
+MAX_VALID_EXAMPLES = 15
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 num_cases: dict[tuple[str, str], int] = {}  # (pass, operation) -> cases sent
@@ -125,7 +128,7 @@ def test_no_5xx_and_every_error_in_openai_shape(case):
 
 
 @valid.parametrize()
-@settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
+@settings(max_examples=MAX_VALID_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
 def test_valid_bodies_run_the_model_without_5xx(case):
     _call_and_check(case, "valid")
 
