@@ -144,8 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", dest="model", required=True, help="a .gguf path, an installed name (`localllm ls`) or a catalog alias you pulled")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=_int_at_least(0), default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    serve.add_argument("--cors-origin", action="append", default=[], help="allow browser calls from ORIGIN (repeatable)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health")
+    serve.add_argument("--cors-origin", action="append", default=[],
+                       help="allow browser calls from ORIGIN (repeatable; default: none, CORS off)")
+    serve.add_argument("--read-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="cut off a client that takes longer to send a request's headers, or its body (default 30)")
     serve.add_argument("--max-queue", type=_int_at_least(0), default=64,
                        help="requests that may wait beyond --parallel before new ones get a 503")
     serve.add_argument("--ctx", type=_positive_int, default=None, help=CTX_HELP)
@@ -378,7 +382,8 @@ def cmd_serve(args) -> int:
     from localllm.config import ServerConfig
 
     server_config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                                 cors_origins=tuple(args.cors_origin), max_queue=args.max_queue)
+                                 cors_origins=tuple(args.cors_origin), max_queue=args.max_queue,
+                                 read_timeout_s=args.read_timeout)
     return serve(_engine_config(args), server_config)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,9 +138,14 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()
     max_queue: int = 64  # requests waiting for a sequence slot before new ones get a 503
     max_body_bytes: int = 8 * 1024 * 1024
+    # Seconds a client has to send a request's headers, and then its whole body: a client
+    # that stalls or trickles is cut off (uvicorn itself waits for either forever).
+    read_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise UsageError(f"--port {self.port} is not a TCP port; use 1-65535 (0 picks a free one)")
         if self.api_key is not None and not self.api_key.strip():
             raise UsageError("--api-key is empty; give a key or leave the option out")
+        if not (math.isfinite(self.read_timeout_s) and self.read_timeout_s > 0):
+            raise UsageError(f"--read-timeout {self.read_timeout_s} is not a time; give seconds above 0, e.g. 30")

@@ -12,6 +12,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
 
     from localllm.engine.engine import AsyncEngine, LLMEngine
     from localllm.server.app import create_app
+    from localllm.server.limits import header_timeout_protocol
 
     engine = AsyncEngine(LLMEngine(engine_config))
     app = create_app(engine, engine_config.model_path, server_config)
@@ -41,7 +42,8 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
                       file=sys.stderr, flush=True)
 
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level="warning",
-                            timeout_graceful_shutdown=5, access_log=False)
+                            timeout_graceful_shutdown=5, access_log=False,
+                            http=header_timeout_protocol(server_config.read_timeout_s))
     try:
         _Server(config).run()
     finally:

@@ -68,8 +68,8 @@ class SamplingParams:
             raise bad("min_p", self.min_p, "use a number in [0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad("top_k", self.top_k, "use 0 (off) or a positive whole number")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", self.repetition_penalty, "use a number above 0")
+        if not 1e-3 <= self.repetition_penalty <= 1e3:  # float32 logits divided by less overflow
+            raise bad("repetition_penalty", self.repetition_penalty, "use a number in [0.001, 1000]")
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise bad(name, getattr(self, name), "use a number in [-2, 2]")
@@ -84,7 +84,12 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        # Below GREEDY_BELOW all the probability is on the top token anyway, and float32
+        # logits divided by such a temperature overflow to inf (then NaN).
+        return self.temperature < GREEDY_BELOW
+
+
+GREEDY_BELOW = 1e-6
 
 
 _seq_counter = itertools.count()

@@ -8,15 +8,17 @@ come back at the next step). Errors always have OpenAI's shape and status.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from localllm import __version__
@@ -26,6 +28,7 @@ from localllm.engine.engine import AsyncEngine, RequestOutput
 from localllm.engine.request import SamplingParams
 from localllm.errors import ContextOverflowError, LocalLLMError, TemplateError, UsageError
 from localllm.server import protocol as P
+from localllm.server.limits import BodyGuard
 from localllm.server.metrics import ServerMetrics
 
 
@@ -48,6 +51,28 @@ def error_json(status: int, message: str, type_: str = "invalid_request_error", 
                code: str | None = None, headers: dict | None = None) -> JSONResponse:
     body = P.ErrorResponse(error=P.ErrorBody(message=message, type=type_, param=param, code=code))
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none"}
+
+
+def param_name(loc) -> str | None:
+    """The request parameter a pydantic error location names, e.g. 'messages.0.content' for
+    ('body', 'messages', 0, 'content', 'str'): pydantic adds which member of a union it tried
+    (str, list[int], literal[...], a model's class name), which is no parameter."""
+    def is_tag(x) -> bool:
+        return isinstance(x, str) and (x in _TYPE_TAGS or "[" in x or x[:1].isupper())
+    parts = [str(x) for x in loc if not is_tag(x)]
+    if parts[:1] == ["body"]:
+        parts = parts[1:]
+    return ".".join(parts) or None
+
+
+def has_key(request: Request, api_key: str) -> bool:
+    """Whether the request carries 'Authorization: Bearer API_KEY', compared in constant time."""
+    header = dict(request.scope["headers"]).get(b"authorization", b"")  # raw bytes: no decoding guesses
+    scheme, _, token = header.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), api_key.encode())
 
 
 def sse(obj) -> str:
@@ -450,69 +475,28 @@ class Server:
         yield sse("[DONE]")
 
 
-class BodyLimit:
-    """Answers 413 to a request body over ``max_bytes``, whether it declares its length or comes
-    chunked (then it is read here, up to the limit, and handed on whole)."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit():  # the HTTP parser holds the body to this length
-            if int(length) > self.max_bytes:
-                return await self._too_large(int(length), scope, receive, send)
-            return await self.app(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left before the body ended
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                return await self._too_large(size, scope, receive, send, at_least=True)
-            if not message.get("more_body", False):
-                break
-        body, replayed = b"".join(chunks), False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _too_large(self, size: int, scope, receive, send, at_least: bool = False) -> None:
-        size_text = f"at least {size}" if at_least else f"{size}"
-        response = error_json(413, f"the request body of {size_text} bytes is over the limit of {self.max_bytes} "
-                                   f"bytes; send a shorter request", code="request_too_large")
-        await response(scope, receive, send)
-
-
 def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig) -> FastAPI:
     server = Server(engine, model_path, config)
     app = FastAPI(title="localllm", version=__version__,
                   description="OpenAI-compatible API of localllm: chat and text completions on a local model.")
     app.state.server = server
-    if config.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
-                           allow_headers=["*"])
+
+    # Each middleware added wraps those before it, so a request meets them in the reverse order:
+    # CORS (a browser's preflight carries no key), the key (checked before any body is read),
+    # the body's size and time limits, then the routes.
+    app.add_middleware(BodyGuard, max_bytes=config.max_body_bytes, read_timeout_s=config.read_timeout_s)
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        if config.api_key and request.url.path.startswith("/v1/"):
-            auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {config.api_key}":
-                return error_json(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY' "
-                                       "with the key given to `localllm serve --api-key`", code="invalid_api_key")
+        if config.api_key and request.url.path != "/health" and not has_key(request, config.api_key):
+            return error_json(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY' "
+                                   "with the key given to `localllm serve --api-key`", code="invalid_api_key",
+                              headers={"WWW-Authenticate": "Bearer"})
         return await call_next(request)
 
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)  # outermost: before the key check
+    if config.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, e: APIError):
@@ -521,8 +505,7 @@ def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig) -> F
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, e: RequestValidationError):
         err = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
+        param = param_name(err.get("loc", ()))
         message = err.get("msg", "invalid request")
         if err.get("type") == "json_invalid":
             message, param = "the request body is not valid JSON", None
@@ -537,7 +520,11 @@ def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig) -> F
         if e.status_code == 404:
             return error_json(404, f"no route {request.method} {request.url.path}; see /openapi.json",
                               code="not_found")
-        return error_json(e.status_code, str(e.detail))
+        if e.status_code == 405:
+            allowed = (e.headers or {}).get("Allow", "")
+            return error_json(405, f"{request.method} is not allowed on {request.url.path}; use {allowed}",
+                              code="method_not_allowed", headers=e.headers)
+        return error_json(e.status_code, str(e.detail), headers=e.headers)
 
     @app.exception_handler(ContextOverflowError)
     async def on_overflow(request: Request, e: ContextOverflowError):
@@ -554,12 +541,12 @@ def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig) -> F
         return error_json(500, f"internal error: {type(e).__name__}: {e}", type_="server_error")
 
     @app.post("/v1/chat/completions", response_model=None,
-              responses={200: {"model": P.ChatCompletion}, 400: {"model": P.ErrorResponse}})
+              responses={200: {"model": P.ChatCompletion, "content": EVENT_STREAM}})
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
         return await server.chat(body, request)
 
     @app.post("/v1/completions", response_model=None,
-              responses={200: {"model": P.Completion}, 400: {"model": P.ErrorResponse}})
+              responses={200: {"model": P.Completion, "content": EVENT_STREAM}})
     async def completions(body: P.CompletionRequest, request: Request):
         return await server.completions(body, request)
 
@@ -576,10 +563,43 @@ def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig) -> F
     async def health():
         return {"status": "ok", "model": server.model_id}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         stats = await asyncio.wrap_future(engine.call(lambda e: e.stats()))
         body, content_type = server.metrics.render(stats, server.num_in_flight)
         return Response(body, media_type=content_type)
 
+    app.openapi = partial(_openapi_with_errors, app.openapi)
     return app
+
+
+EVENT_STREAM = {"text/event-stream": {}}  # with "stream": true: SSE events of the chunk objects
+# The statuses any route may answer, always with an OpenAI error object (never FastAPI's 422).
+ERROR_STATUSES = {"400": "Invalid request", "401": "Missing or wrong API key (with `serve --api-key`)",
+                  "404": "Unknown route or model", "408": "Request not sent in time",
+                  "413": "Request body too large"}
+
+
+def _openapi_with_errors(make_openapi) -> dict:
+    """FastAPI's schema with the error responses the server really gives."""
+    spec = make_openapi()  # cached by FastAPI: the edits below are made once
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    for path_item in spec["paths"].values():
+        for method, operation in path_item.items():
+            responses = operation["responses"]
+            responses.pop("422", None)
+            for status, description in ERROR_STATUSES.items():
+                responses.setdefault(status, {"description": description, "content": error})
+            if method == "post":
+                responses.setdefault("503", {"description": "Server busy; retry after Retry-After seconds",
+                                             "content": error})
+    schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+    schemas.pop("HTTPValidationError", None)
+    schemas.pop("ValidationError", None)
+    # All four keys are always sent (param and code may be null), and nothing else.
+    schemas["ErrorBody"] = P.ErrorBody.model_json_schema() | {
+        "required": list(P.ErrorBody.model_fields), "additionalProperties": False}
+    schemas["ErrorResponse"] = {"title": "ErrorResponse", "type": "object", "required": ["error"],
+                                "properties": {"error": {"$ref": "#/components/schemas/ErrorBody"}},
+                                "additionalProperties": False}
+    return spec

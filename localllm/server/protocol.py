@@ -1,17 +1,27 @@
 """OpenAI's request and response shapes as pydantic models. Requests forbid unknown fields
-(a typo is a 400, not silently ignored) but accept the common ones editors send."""
+(a typo is a 400, not silently ignored) but accept the common ones editors send; they are
+strict about types, as OpenAI is ("5" is not a number, false is not a token id)."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
+
+
+def _whole(value):
+    """5.0 is the integer 5, as JSON Schema has it; "5", true and 5.5 stay what they are (errors)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# An integer parameter: strict (no strings, no booleans) but, like JSON Schema, takes 5.0 for 5.
+Int = Annotated[int, BeforeValidator(_whole)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TextPart(_Request):
@@ -75,8 +85,8 @@ class _Sampling(_Request):
     model: str
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=8)
-    seed: int | None = Field(default=None, ge=0)
+    n: Int = Field(default=1, ge=1, le=8)
+    seed: Int | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -84,9 +94,9 @@ class _Sampling(_Request):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     user: str | None = None
     # llama.cpp-style extras that OpenAI-compatible local servers accept.
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: Int | None = Field(default=None, ge=0)
     min_p: float | None = Field(default=None, ge=0, le=1)
-    repeat_penalty: float | None = Field(default=None, gt=0)
+    repeat_penalty: float | None = Field(default=None, ge=1e-3, le=1e3)
     # localllm's own: false turns prompt-lookup drafting off for this request, true drafts at
     # every step where the prompt offers a match, absent follows the server (which drafts
     # where it pays, or never with `serve --no-spec`). Strict: "yes" or 1 is a 400.
@@ -100,10 +110,10 @@ class _Sampling(_Request):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -114,12 +124,12 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[Int] | list[str]
     suffix: str | None = None
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: Int | None = Field(default=16, ge=1)
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=5)
-    best_of: int | None = Field(default=None, ge=1, le=1)
+    logprobs: Int | None = Field(default=None, ge=0, le=5)
+    best_of: Int | None = Field(default=None, ge=1, le=1)
     logit_bias: dict[str, float] | None = None
 
 

@@ -1,0 +1,177 @@
+"""Schemathesis against a real `localllm serve` (Qwen2.5-Coder-0.5B): every operation in the
+server's own /openapi.json, with valid and invalid bodies, paths and headers. No response may
+be a 5xx, every error must be OpenAI's error object, every body strict JSON (no NaN), and the
+server must be whole afterwards: alive, idle, nothing in its log.
+
+Two passes. The first fuzzes the schema as served, valid and invalid data alike; most of its
+bodies are rightly refused with a 400 before the engine. The second narrows the schema to
+bodies the server accepts (every message with text, a non-empty prompt, no logit_bias) and
+generates only valid ones, so most of its cases run the model, with tools, grammars,
+logprobs, stop strings, streaming and n.
+
+Generation is kept cheap so the test fits in CI: `model` is pinned to the served model in the
+schema (else nearly every body is a 404 that never reaches the engine), and a body's
+max_tokens is cut to MAX_TOKENS and its n to MAX_N before it is sent.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
+                                               response_schema_conformance, status_code_conformance)
+
+pytestmark = pytest.mark.model
+
+MAX_TOKENS = 4
+MAX_N = 2
+MAX_EXAMPLES = 30  # per operation and phase; the coverage phase adds its own boundary cases
+# Valid bodies run the model (prefill, grammars, n up to 2): 3-7 s each measured on the shared
+# 2-core machine under load, so fewer of them.
+MAX_VALID_EXAMPLES = 15
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+num_cases: dict[tuple[str, str], int] = {}  # (pass, operation) -> cases sent
+statuses: dict[tuple[str, int], int] = {}  # (pass, status) -> responses
+
+
+def _served_spec(live_server) -> dict:
+    """The server's /openapi.json with `model` pinned to the one model it serves."""
+    headers = {"Authorization": f"Bearer {live_server.api_key}"}
+    spec = httpx.get(f"{live_server.url}/openapi.json", headers=headers, timeout=30).json()
+    model_id = httpx.get(f"{live_server.base_url}/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        spec["components"]["schemas"][name]["properties"]["model"] = {"type": "string", "enum": [model_id]}
+    return spec
+
+
+def _load(spec: dict, live_server):
+    schema = schemathesis.openapi.from_dict(spec)
+    schema.config.update(base_url=live_server.url, headers={"Authorization": f"Bearer {live_server.api_key}"})
+    return schema
+
+
+@pytest.fixture(scope="module")
+def fuzz_schema(live_server):
+    return _load(_served_spec(live_server), live_server)
+
+
+@pytest.fixture(scope="module")
+def valid_schema(live_server):
+    """The request schemas narrowed to what the server accepts beyond the schema's word."""
+    spec = _served_spec(live_server)
+    schemas = spec["components"]["schemas"]
+    text = {"type": "string", "minLength": 1}
+    schemas["ChatMessage"]["properties"] = {"role": {"enum": ["system", "user", "assistant"]}, "content": text}
+    schemas["ChatMessage"]["required"] = ["role", "content"]
+    schemas["ChatCompletionRequest"]["properties"]["messages"]["maxItems"] = 4
+    schemas["CompletionRequest"]["properties"]["prompt"] = {"anyOf": [
+        text, {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 150_000},
+               "minItems": 1, "maxItems": 64}]}
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        schemas[name]["properties"].pop("logit_bias")
+        schemas[name]["properties"]["stop"] = {"anyOf": [text, {"type": "array", "items": text, "maxItems": 4},
+                                                         {"type": "null"}]}
+    schema = _load(spec, live_server)
+    schema.config.generation.update(modes=["positive"])
+    schema.config.phases.coverage.enabled = False  # its boundary cases are the first pass's work
+    return schema
+
+
+schema = schemathesis.pytest.from_fixture("fuzz_schema")
+valid = schemathesis.pytest.from_fixture("valid_schema").include(method="POST")
+
+
+def _strict_json(text: str):
+    def no_constant(name: str):
+        raise AssertionError(f"the server sent {name}, which is not JSON")
+    return json.loads(text, parse_constant=no_constant)
+
+
+def _check_error(body) -> None:
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == ERROR_KEYS, error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert isinstance(error["type"], str) and error["type"], error
+    assert error["param"] is None or isinstance(error["param"], str), error
+    assert error["code"] is None or isinstance(error["code"], str), error
+
+
+def _cap(body):
+    """Cut a generated body's cost: max_tokens to MAX_TOKENS (absent or null: set), n to MAX_N."""
+    if not isinstance(body, dict):
+        return body
+    def over(value, cap: int) -> bool:
+        return type(value) in (int, float) and value > cap
+
+    for key in ("max_tokens", "max_completion_tokens"):
+        if over(body.get(key), MAX_TOKENS):
+            body[key] = MAX_TOKENS
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = MAX_TOKENS  # absent or null: the server would fill the context
+    if over(body.get("n"), MAX_N):
+        body["n"] = MAX_N
+    return body
+
+
+@schema.parametrize()
+@settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
+def test_no_5xx_and_every_error_in_openai_shape(case):
+    _call_and_check(case, "any")
+
+
+@valid.parametrize()
+@settings(max_examples=MAX_VALID_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
+def test_valid_bodies_run_the_model_without_5xx(case):
+    _call_and_check(case, "valid")
+
+
+def _call_and_check(case, run: str) -> None:
+    if case.body is not None and not isinstance(case.body, (bytes, str)):
+        case.body = _cap(case.body)
+    response = case.call(timeout=120)
+    num_cases[(run, case.operation.label)] = num_cases.get((run, case.operation.label), 0) + 1
+    statuses[(run, response.status_code)] = statuses.get((run, response.status_code), 0) + 1
+    assert response.status_code < 500, response.text
+    content_type = response.headers.get("content-type", [""])
+    content_type = content_type[0] if isinstance(content_type, list) else content_type
+    if response.status_code >= 400:
+        assert content_type == "application/json", content_type
+        _check_error(_strict_json(response.text))
+    elif content_type.startswith("text/event-stream"):
+        events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", response.text[-500:]
+        for event in events[:-1]:
+            payload = _strict_json(event)
+            if "error" in payload:
+                _check_error(payload)
+    elif content_type.startswith("application/json"):
+        _strict_json(response.text)
+    case.validate_response(response, checks=[not_a_server_error, status_code_conformance, content_type_conformance,
+                                             response_schema_conformance, negative_data_rejection])
+
+
+def test_the_server_is_whole_after_the_fuzzing(live_server):
+    """Runs after the fuzz cases (pytest keeps file order): alive, idle, a clean log."""
+    assert sum(num_cases.values()) > 0, "no fuzz case ran"
+    print(f"\nfuzz cases: {sum(num_cases.values())}; by pass and operation: {dict(sorted(num_cases.items()))}"
+          f"\nby pass and status: {dict(sorted(statuses.items()))}")
+    assert live_server.process.poll() is None, live_server.log()[-4000:]
+    headers = {"Authorization": f"Bearer {live_server.api_key}"}
+    deadline = time.monotonic() + 10
+    while True:
+        lines = httpx.get(f"{live_server.url}/metrics", headers=headers, timeout=30).text.splitlines()
+        if "localllm_kv_blocks_used 0.0" in lines and "localllm_requests_running 0.0" in lines:
+            break
+        assert time.monotonic() < deadline, "the server still holds KV blocks or sequences after the fuzzing"
+        time.sleep(0.1)
+    assert httpx.get(f"{live_server.url}/health", timeout=30).json()["status"] == "ok"
+    log = live_server.log()
+    assert "Traceback" not in log and "ERROR" not in log and "RuntimeWarning" not in log, log[-4000:]
