@@ -167,8 +167,8 @@ typedef struct {
 
 VNNI512_TARGET static void unpack_tile(int wtype, const uint8_t *const *rows, int nr, int nb, wpair_t *out) {
     const int bb = lm_block_bytes(wtype), pairs = (nb + 1) / 2;
-    for (int p = 0; p < pairs; p++)
-        for (int r = 0; r < nr; r++) {
+    for (int r = 0; r < nr; r++) /* a row at a time, front to back (see rows_vnni512) */
+        for (int p = 0; p < pairs; p++) {
             const uint8_t *b0 = rows[r] + (size_t)2 * p * bb;
             const int two = 2 * p + 1 < nb;
             const __m256i lo = unpack_avx2(wtype, b0), hi = two ? unpack_avx2(wtype, b0 + bb) : _mm256_setzero_si256();
@@ -256,24 +256,30 @@ VNNI512_TARGET static int rows_vnni512(int wtype, const uint8_t *w, size_t row_b
                                        const qblock_t *xq, const float *xd, int M, float *y, int N) {
     wpair_t *wt = NULL;
     if (M > TILE_X && (wt = aligned_alloc(64, sizeof(wpair_t) * TILE_W * (size_t)((nb + 1) / 2))) == NULL) return -1;
+    if (wt == NULL) { /* M <= TILE_X: one tile of x, and W read a row at a time, front to back */
+        /* (Four rows side by side are four streams, which the hardware prefetcher follows
+         * poorly out of memory: a 151936-row output head ran at 0.4x.) */
+        const qblock_t *xs[TILE_X];
+        const float *ds[TILE_X];
+        for (int i = 0; i < TILE_X; i++) {
+            xs[i] = xq + (size_t)(i < M ? i : 0) * nb;
+            ds[i] = xd + (size_t)(i < M ? i : 0) * nb;
+        }
+        for (int n = n0; n < n1; n++) {
+            const uint8_t *row[1] = {w + (size_t)n * row_bytes};
+            switch (M) {
+            case 1: tile_direct(wtype, row, 1, nb, xs, ds, 1, y, N, n); break;
+            case 2: tile_direct(wtype, row, 1, nb, xs, ds, 2, y, N, n); break;
+            case 3: tile_direct(wtype, row, 1, nb, xs, ds, 3, y, N, n); break;
+            default: tile_direct(wtype, row, 1, nb, xs, ds, M, y, N, n);
+            }
+        }
+        return 0;
+    }
     for (int n = n0; n < n1; n += TILE_W) {
         const int nr = n1 - n < TILE_W ? n1 - n : TILE_W;
         const uint8_t *rows[TILE_W];
         for (int r = 0; r < nr; r++) rows[r] = w + (size_t)(n + r) * row_bytes;
-        if (wt == NULL) { /* M <= TILE_X: one tile of x */
-            const qblock_t *xs[TILE_X];
-            const float *ds[TILE_X];
-            for (int i = 0; i < TILE_X; i++) {
-                xs[i] = xq + (size_t)(i < M ? i : 0) * nb;
-                ds[i] = xd + (size_t)(i < M ? i : 0) * nb;
-            }
-            if (nr == TILE_W && M == 1) tile_direct(wtype, rows, TILE_W, nb, xs, ds, 1, y, N, n);
-            else if (nr == TILE_W && M == 2) tile_direct(wtype, rows, TILE_W, nb, xs, ds, 2, y, N, n);
-            else if (nr == TILE_W && M == 3) tile_direct(wtype, rows, TILE_W, nb, xs, ds, 3, y, N, n);
-            else if (nr == TILE_W && M == 4) tile_direct(wtype, rows, TILE_W, nb, xs, ds, 4, y, N, n);
-            else tile_direct(wtype, rows, nr, nb, xs, ds, M, y, N, n);
-            continue;
-        }
         unpack_tile(wtype, rows, nr, nb, wt); /* once for all M rows of x */
         for (int m0 = 0; m0 < M; m0 += TILE_X) {
             const int mr = M - m0 < TILE_X ? M - m0 : TILE_X;
