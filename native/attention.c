@@ -299,10 +299,23 @@ AVX512 static inline __attribute__((always_inline)) void item_avx512(const job_t
     const int hi = first_pos + r1 - 1;
     int lo = 0;
     if (J->n_swa > 0) { lo = first_pos + r0 - J->n_swa + 1; if (lo < 0) lo = 0; }
+    const size_t elt = J->kv_type == LM_KV_F32 ? 4 : J->kv_type == LM_KV_F16 ? 2 : 1;
     for (int b0 = (lo / 16) * 16; b0 <= hi; b0 += 16) {
         const int blk = table[b0 / 16];
         const int j0 = b0 > lo ? b0 : lo, j1 = b0 + 15 < hi ? b0 + 15 : hi, n = j1 - j0 + 1;
         const size_t row0 = (size_t)blk * 16 + (j0 - b0);
+        /* The next block lies anywhere in the pool, so the hardware cannot guess it: ask for
+         * its K and V rows of this head now, while this block is computed. */
+        if (b0 + 16 <= hi) {
+            const size_t next = (size_t)table[b0 / 16 + 1] * 16;
+            for (int j = 0; j < 16; j++) {
+                const size_t at = ((next + j) * stride + (size_t)kvh * D) * elt;
+                for (size_t off = 0; off < (size_t)D * elt; off += 64) {
+                    _mm_prefetch((const char *)J->k + at + off, _MM_HINT_T0);
+                    _mm_prefetch((const char *)J->v + at + off, _MM_HINT_T0);
+                }
+            }
+        }
         float ksc[16], vsc[16];
         for (int j = 0; j < 16; j++) {
             ksc[j] = vsc[j] = 1.0f;
