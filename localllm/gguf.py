@@ -19,10 +19,12 @@ A string is a u64 byte length and that many UTF-8 bytes.
 
 from __future__ import annotations
 
+import array as pyarray
 import mmap
 import re
 import stat
 import struct
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,6 +109,10 @@ class _Part:
     data_start: int = 0
     tensors: tuple[TensorEntry, ...] = ()
     kept_strings: tuple[bytes, ...] | None = None
+    has_byte_tokens: bool = False  # a token of tokenizer.ggml.token_type is BYTE (6)
+
+
+TOKEN_TYPE_BYTE = 6  # llama.cpp's LLAMA_TOKEN_TYPE_BYTE
 
 
 @dataclass(frozen=True)
@@ -353,6 +359,7 @@ class _Parser:
         self.end = len(buf)
         self.keep_strings = keep_strings  # the key of one string array to return as bytes
         self.kept_strings: tuple[bytes, ...] | None = None
+        self.has_byte_tokens = False
 
     def fail(self, problem: str) -> ModelLoadError:
         return ModelLoadError(f"{self.path} is not a valid GGUF file: {problem}; "
@@ -425,7 +432,8 @@ class _Parser:
                             f"{self.end}; the file is truncated")
         return _Part(version=version, metadata=metadata, size_bytes=self.end, num_tensors=num_tensors,
                      num_parameters=num_parameters, tensor_bytes=tensor_bytes, data_start=data_start,
-                     tensors=tuple(self.tensors), kept_strings=self.kept_strings)
+                     tensors=tuple(self.tensors), kept_strings=self.kept_strings,
+                     has_byte_tokens=self.has_byte_tokens)
 
     def key_values(self, num_kv: int) -> tuple[dict, dict[str, int]]:
         """The metadata, and each key's GGUF value type."""
@@ -469,6 +477,12 @@ class _Parser:
             if kept is not None:
                 self.kept_strings = kept
             return GGUFArray("string", length)
+        if key == "tokenizer.ggml.token_type" and _SCALARS[item_type][0] == "int32":
+            types = pyarray.array("i")  # a whole vocabulary's: read in C, not decoded one by one
+            types.frombytes(self.buf[self.pos:self.pos + length * 4])
+            if sys.byteorder == "big":
+                types.byteswap()
+            self.has_byte_tokens = TOKEN_TYPE_BYTE in types
         if length > MAX_DECODED_ARRAY:
             self.pos += length * item_size  # bounds checked above
             return GGUFArray(_SCALARS[item_type][0], length)

@@ -53,6 +53,11 @@ def check_model(path: str | Path) -> GGUFInfo:
         _check_tensors(part_path, first if part_path == path else _read_part(part_path))
     if first.kept_strings is not None:
         _check_vocabulary(path, meta, first.kept_strings)
+    if first.has_byte_tokens and meta.get("tokenizer.ggml.model") == "bert":
+        # A WordPiece vocabulary's token_to_byte aborts while llama.cpp caches every token's
+        # text at load (a gpt2 one with byte tokens is refused by llama.cpp itself, cleanly).
+        raise _fail(path, "its 'bert' vocabulary marks tokens as bytes (token type 6), which only "
+                          "SentencePiece vocabularies (tokenizer.ggml.model llama or t5) have")
     return info
 
 
