@@ -75,6 +75,25 @@ def has_key(request: Request, api_key: str) -> bool:
     return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), api_key.encode())
 
 
+class KeyGuard:
+    """ASGI middleware: every route but /health needs 'Authorization: Bearer API_KEY'
+    (has_key), or gets OpenAI's 401 before any body is read. Plain ASGI rather than
+    @app.middleware("http"): Starlette's BaseHTTPMiddleware raises "No response returned"
+    into the log when a client leaves before its response starts."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health" and not has_key(Request(scope), self.api_key):
+            response = error_json(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY' "
+                                       "with the key given to `localllm serve --api-key`", code="invalid_api_key",
+                                  headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def sse(obj) -> str:
     data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
     return f"data: {data}\n\n"
@@ -202,9 +221,9 @@ class Server:
                 self._add(choices[i], out)
 
         async def client_left() -> None:
-            # A blocking receive, not request.is_disconnected(): behind the @app.middleware
-            # layer (Starlette's BaseHTTPMiddleware) its zero-timeout poll never sees the
-            # disconnect, and a dropped request ran on to max_tokens.
+            # A blocking receive, not request.is_disconnected(): behind a BaseHTTPMiddleware
+            # layer (the key check was one) its zero-timeout poll never saw the disconnect, and
+            # a dropped request ran on to max_tokens; a receive sees it whatever wraps the app.
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
@@ -486,13 +505,8 @@ def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig) -> F
     # the body's size and time limits, then the routes.
     app.add_middleware(BodyGuard, max_bytes=config.max_body_bytes, read_timeout_s=config.read_timeout_s)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if config.api_key and request.url.path != "/health" and not has_key(request, config.api_key):
-            return error_json(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY' "
-                                   "with the key given to `localllm serve --api-key`", code="invalid_api_key",
-                              headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+    if config.api_key:
+        app.add_middleware(KeyGuard, api_key=config.api_key)
 
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
