@@ -65,7 +65,10 @@ def cache_state(hub_env, commit: str) -> str:
             stages.add("ref")
         else:
             assert _TEMPORARY.fullmatch(rel), f"{rel}: a file nothing should have left"
-    for stage in ("ref", "snapshot", "blob", "partial"):
+    # A partial download outranks a linked part: a kill in the second part's download lands
+    # mid-file too (after a kill the next pull keeps the first part, so on a quiet machine most
+    # kills land in the second part).
+    for stage in ("ref", "partial", "snapshot", "blob"):
         if stage in stages:
             return stage
     return "nothing"
