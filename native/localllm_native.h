@@ -36,7 +36,7 @@ static inline float lm_half_to_float(uint16_t h) {
 #define LM_ENOMEM 2
 #define LM_MAX_THREADS 256
 
-#define LM_ABI_VERSION 3 /* 3: lm_paged_attention takes kv_type and the q8_0 scales */
+#define LM_ABI_VERSION 4 /* 3: lm_paged_attention takes kv_type and the q8_0 scales; 4: lm_repack, lm_cpu_level */
 
 /* What a KV pool holds (lm_paged_attention's kv_type). */
 #define LM_KV_F32 0
@@ -47,6 +47,9 @@ static inline float lm_half_to_float(uint16_t h) {
 #define LM_Q4_0 2
 #define LM_Q5_0 6
 #define LM_Q8_0 8
+#define LM_Q4_K 12
+#define LM_Q6_K 14
+#define LM_Q5_0P 106 /* Q5_0 repacked in pairs of blocks for AVX-512 (qmatmul.c); not a GGML type */
 
 typedef void (*lm_task_fn)(void *arg, int part, int parts);
 void lm_pool_run(lm_task_fn fn, void *arg, int parts);
@@ -64,5 +67,7 @@ int lm_block_bytes(int wtype);
 int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N, float *y, int n_threads,
                int force_scalar);
 int lm_dequantize(const uint8_t *w, int wtype, int N, int K, float *out);
+int lm_repack(const uint8_t *w, int wtype, int N, int K, uint8_t *out, int reverse);
+int lm_cpu_level(void);
 
 #endif

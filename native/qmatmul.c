@@ -36,6 +36,7 @@ int lm_block_bytes(int wtype) {
     case LM_Q4_0: return 18;
     case LM_Q5_0: return 22;
     case LM_Q8_0: return 34;
+    case LM_Q5_0P: return 22; /* a pair of blocks in 44 bytes */
     default: return 0;
     }
 }
@@ -157,6 +158,78 @@ VNNI512_TARGET static inline __m512 pair_scales(float a, float b) {
     return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
 }
 
+/* ---- Q5_0 repacked in pairs (LM_Q5_0P), for AVX-512 ------------------------------------
+ * The same weights and scales as Q5_0, laid out so that two blocks unpack into one 512-bit
+ * vector in a few instructions (Q5_0 itself takes about twenty, which made its matmul
+ * compute-bound at 32 GB/s where Q8_0's reads memory at 60). A pair of blocks, 44 bytes:
+ *   bytes 0-3    the two blocks' float16 scales;
+ *   bytes 4-11   64 high bits, bit i the high bit of lane i;
+ *   bytes 12-43  32 bytes of nibbles: byte i's low nibble is lane i (block 0's weight i), its
+ *                high nibble lane 32 + i (block 1's weight i).
+ * Lane i holds u = nibble + 16 * high bit in 0..31 and the weight is u - 16, so a block's
+ * products are sum(u * x) - 16 * sum(x): VNNI multiplies the unsigned u by the signed x and
+ * adds to a start value, and the start value -16 * (x's sums per 4 lanes) is made once per
+ * row of x. Each lane's integer sum is the one the sign trick gives, and the floating-point
+ * steps are tile_vnni512's, so the results are the same bits as for Q5_0. */
+
+VNNI512_TARGET static inline __m512i q5p_unsigned(const uint8_t *pair) {
+    const __m256i nib = _mm256_loadu_si256((const __m256i *)(pair + 12));
+    const __m512i v = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(nib), _mm256_srli_epi16(nib, 4), 1),
+                                       _mm512_set1_epi8(0x0f));
+    uint64_t hb;
+    memcpy(&hb, pair + 4, 8);
+    return _mm512_mask_add_epi8(v, (__mmask64)hb, v, _mm512_set1_epi8(16));
+}
+
+VNNI512_TARGET static inline __m512 q5p_scales(const uint8_t *pair) {
+    uint32_t d2;
+    memcpy(&d2, pair, 4);
+    const __m256i idx = _mm256_setr_epi16(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    return _mm512_cvtph_ps(_mm256_permutexvar_epi16(idx, _mm256_castsi128_si256(_mm_cvtsi32_si128((int)d2))));
+}
+
+/* A row of x made ready for Q5_0P pairs: its 64 bytes, -16 * its sums per 4 lanes, and the two
+ * blocks' scales spread over their lanes. */
+typedef struct {
+    __m512i x, corr;
+    __m512 dx;
+} xpair_t;
+
+VNNI512_TARGET static void q5p_prepare(const qblock_t *xq, const float *xd, int M, int nb, xpair_t *out) {
+    const int pairs = nb / 2;
+    for (int m = 0; m < M; m++)
+        for (int p = 0; p < pairs; p++) {
+            xpair_t *o = out + (size_t)m * pairs + p;
+            o->x = _mm512_loadu_si512((const void *)xq[(size_t)m * nb + 2 * p].q);
+            /* 16 * (x's sums per 4 lanes), negated: unsigned 16s by the signed x */
+            o->corr = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                       _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(16), o->x));
+            o->dx = pair_scales(xd[(size_t)m * nb + 2 * p], xd[(size_t)m * nb + 2 * p + 1]);
+        }
+}
+
+/* Rows n0..n1 of a Q5_0P matrix against M <= TILE_X prepared rows of x. */
+VNNI512_TARGET static void rows_q5p_direct(const uint8_t *w, size_t row_bytes, int n0, int n1, int nb,
+                                           const xpair_t *xp, int M, float *y, int N) {
+    const int pairs = nb / 2;
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *row = w + (size_t)n * row_bytes;
+        __m512 acc[TILE_X];
+        for (int i = 0; i < TILE_X; i++) acc[i] = _mm512_setzero_ps();
+        for (int p = 0; p < pairs; p++) {
+            const uint8_t *pair = row + (size_t)p * 44;
+            const __m512i u = q5p_unsigned(pair);
+            const __m512 dw = q5p_scales(pair);
+            for (int i = 0; i < M; i++) {
+                const xpair_t *x = xp + (size_t)i * pairs + p;
+                const __m512i s32 = _mm512_dpbusd_epi32(x->corr, u, x->x);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32), _mm512_mul_ps(dw, x->dx), acc[i]);
+            }
+        }
+        for (int i = 0; i < M; i++) y[(size_t)i * N + n] = _mm512_reduce_add_ps(acc[i]);
+    }
+}
+
 /* A tile's weight rows unpacked, pair of blocks by pair: |w| as unsigned bytes, w's signs, and
  * the two scales; an odd last block pairs with zeros. */
 typedef struct {
@@ -170,13 +243,20 @@ VNNI512_TARGET static void unpack_tile(int wtype, const uint8_t *const *rows, in
     for (int r = 0; r < nr; r++) /* a row at a time, front to back (see rows_vnni512) */
         for (int p = 0; p < pairs; p++) {
             const uint8_t *b0 = rows[r] + (size_t)2 * p * bb;
+            wpair_t *o = out + (size_t)p * TILE_W + r;
+            if (wtype == LM_Q5_0P) {
+                const __m512i w = _mm512_sub_epi8(q5p_unsigned(b0), _mm512_set1_epi8(16));
+                o->aw = _mm512_abs_epi8(w);
+                o->neg = _mm512_movepi8_mask(w);
+                o->dw = q5p_scales(b0);
+                continue;
+            }
             const int two = 2 * p + 1 < nb;
             const __m256i lo = unpack_avx2(wtype, b0), hi = two ? unpack_avx2(wtype, b0 + bb) : _mm256_setzero_si256();
             const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
             uint16_t h0, h1 = 0;
             memcpy(&h0, b0, 2);
             if (two) memcpy(&h1, b0 + bb, 2);
-            wpair_t *o = out + (size_t)p * TILE_W + r;
             o->aw = _mm512_abs_epi8(w);
             o->neg = _mm512_movepi8_mask(w);
             o->dw = pair_scales(_cvtsh_ss(h0), two ? _cvtsh_ss(h1) : 0.0f);
@@ -301,6 +381,204 @@ VNNI512_TARGET static int rows_vnni512(int wtype, const uint8_t *w, size_t row_b
     return 0;
 }
 
+/* ---- Q4_K and Q6_K, for AVX-512 VNNI ----------------------------------------------------
+ * Super-blocks of 256 weights, read in place, against x quantized as llama.cpp's Q8_K: per
+ * 256 values one float scale d = max / -127 (max: the value of largest magnitude), values
+ * round(x / d) capped at 127. As llama.cpp sums them: per super-block the integer sum of
+ * sub-block scale times sub-block products, scaled once by d_w * d_x (Q4_K: less dmin_w * d_x
+ * times the sum of sub-block mins times x's sums over those sub-blocks).
+ *   Q6_K (210 bytes): ql[128] low 4 bits, qh[64] high 2 bits, scales[16] int8 (one per 16
+ *     weights), d. Weight = d * scale * (q - 32), q in 0..63.
+ *   Q4_K (144 bytes): d, dmin, scales[12] (8 scales and 8 mins of 6 bits, one per 32
+ *     weights), qs[128] nibbles. Weight = d * scale * q - dmin * min, q in 0..15.
+ * Each 64 weights unpack into one vector of unsigned q; VNNI multiplies them by x from a start
+ * value (Q6_K: -32 * x's sums per 4 lanes, made once per row of x), each lane's sum is
+ * multiplied by its sub-block's scale and added up per super-block in integers. */
+#define QKK 256
+
+typedef struct {
+    int8_t q[QKK];      /* x's values */
+    int32_t corr[QKK / 4]; /* -32 * the sums of each 4 values (Q6_K's offset) */
+    int32_t bsum32[8];  /* sums of each 32 values (Q4_K's mins) */
+    float d;
+    int32_t pad[7];
+} xk_t; /* 576 bytes, a multiple of 64 */
+
+static int kquant_bytes(int wtype) { return wtype == LM_Q4_K ? 144 : wtype == LM_Q6_K ? 210 : 0; }
+
+static inline int nearest_int(float f) { /* llama.cpp's: to nearest, ties to even */
+    float v = f + 12582912.f;
+    int i;
+    memcpy(&i, &v, 4);
+    return (i & 0x007fffff) - 0x00400000;
+}
+
+/* One row of x (K values) as Q8_K super-blocks, as quantize_row_q8_K_ref. */
+static void quantize_row_k(const float *x, int nsb, xk_t *out) {
+    for (int s = 0; s < nsb; s++, x += QKK) {
+        xk_t *o = out + s;
+        float max = 0.0f, amax = 0.0f;
+        for (int j = 0; j < QKK; j++) {
+            const float ax = fabsf(x[j]);
+            if (ax > amax) { amax = ax; max = x[j]; }
+        }
+        if (amax == 0.0f) {
+            memset(o, 0, sizeof(*o));
+            continue;
+        }
+        const float iscale = -127.0f / max;
+        for (int j = 0; j < QKK; j++) {
+            const int v = nearest_int(iscale * x[j]);
+            o->q[j] = (int8_t)(v < 127 ? v : 127);
+        }
+        for (int j = 0; j < QKK / 4; j++)
+            o->corr[j] = -32 * (o->q[4 * j] + o->q[4 * j + 1] + o->q[4 * j + 2] + o->q[4 * j + 3]);
+        for (int j = 0; j < 8; j++) {
+            int32_t sum = 0;
+            for (int i = 0; i < 32; i++) sum += o->q[32 * j + i];
+            o->bsum32[j] = sum;
+        }
+        o->d = 1.0f / iscale;
+    }
+}
+
+/* Rows n0..n1 of a Q6_K matrix against mr <= TILE_X rows of x (xs[i]: row i's super-blocks). */
+VNNI512_TARGET static inline __attribute__((always_inline)) void q6k_rows(
+    const uint8_t *w, size_t row_bytes, int n0, int n1, int nsb, const xk_t *const *xs, int mr, float *y,
+    size_t y_stride) {
+    const __m512i m0f = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    /* high bits to bits 4-5: lanes 0-31 from bits 0-1 (0 and 2 for the second half) and
+     * lanes 32-63 from bits 2-3 (4 and 6) */
+    const __m512i cnt_a = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i cnt_b = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    __m512i idx[4]; /* chunk c's 16 lanes: sub-blocks 4c .. 4c + 3, four lanes each */
+    for (int c = 0; c < 4; c++)
+        idx[c] = _mm512_setr_epi32(4 * c, 4 * c, 4 * c, 4 * c, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1,
+                                   4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3);
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *row = w + (size_t)n * row_bytes;
+        __m512 acc[TILE_X];
+        for (int i = 0; i < TILE_X; i++) acc[i] = _mm512_setzero_ps();
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *b = row + (size_t)s * 210;
+            uint16_t dh;
+            memcpy(&dh, b + 208, 2);
+            const float dw = _cvtsh_ss(dh);
+            const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)));
+            __m512i isum[TILE_X];
+            for (int i = 0; i < TILE_X; i++) isum[i] = _mm512_setzero_si512();
+            for (int h = 0; h < 2; h++) {
+                const __m512i ql = _mm512_loadu_si512((const void *)(b + 64 * h));
+                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+                const __m512i u[2] = {
+                    _mm512_or_si512(_mm512_and_si512(ql, m0f), _mm512_and_si512(_mm512_sllv_epi16(qh, cnt_a), m30)),
+                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m0f),
+                                    _mm512_and_si512(_mm512_srlv_epi16(qh, cnt_b), m30))};
+                for (int k = 0; k < 2; k++) {
+                    const int c = 2 * h + k;
+                    const __m512i scale = _mm512_permutexvar_epi32(idx[c], sc);
+                    for (int i = 0; i < mr; i++) {
+                        const xk_t *x = xs[i] + s;
+                        const __m512i p = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *)(x->corr + 16 * c)), u[k],
+                                                              _mm512_loadu_si512((const void *)(x->q + 64 * c)));
+                        isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(p, scale));
+                    }
+                }
+            }
+            for (int i = 0; i < mr; i++)
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_set1_ps(dw * xs[i][s].d), acc[i]);
+        }
+        for (int i = 0; i < mr; i++) y[(size_t)i * y_stride + n] = _mm512_reduce_add_ps(acc[i]);
+    }
+}
+
+/* Q4_K's 12 bytes of 6-bit scales and mins as 8 scale bytes then 8 min bytes (llama.cpp's). */
+static inline void q4k_scales(const uint8_t *packed, uint32_t out[4]) {
+    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    memcpy(out, packed, 12);
+    out[3] = ((out[2] >> 4) & kmask2) | (((out[1] >> 6) & kmask3) << 4);
+    const uint32_t aux = out[1] & kmask1;
+    out[1] = (out[2] & kmask2) | (((out[0] >> 6) & kmask3) << 4);
+    out[2] = aux;
+    out[0] &= kmask1;
+}
+
+VNNI512_TARGET static inline __attribute__((always_inline)) void q4k_rows(
+    const uint8_t *w, size_t row_bytes, int n0, int n1, int nsb, const xk_t *const *xs, int mr, float *y,
+    size_t y_stride) {
+    const __m512i m0f = _mm512_set1_epi8(0x0f);
+    __m512i idx[4]; /* chunk c's lanes 0-7: scale 2c, lanes 8-15: scale 2c + 1 */
+    for (int c = 0; c < 4; c++)
+        idx[c] = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *row = w + (size_t)n * row_bytes;
+        __m512 acc[TILE_X];
+        __m256 accm[TILE_X];
+        for (int i = 0; i < TILE_X; i++) {
+            acc[i] = _mm512_setzero_ps();
+            accm[i] = _mm256_setzero_ps();
+        }
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *b = row + (size_t)s * 144;
+            uint16_t dh, mh;
+            memcpy(&dh, b, 2);
+            memcpy(&mh, b + 2, 2);
+            const float dw = _cvtsh_ss(dh), dmin = _cvtsh_ss(mh);
+            uint32_t sm[4];
+            q4k_scales(b + 4, sm);
+            const __m128i smv = _mm_loadu_si128((const __m128i *)sm);
+            const __m512i sc = _mm512_cvtepu8_epi32(smv);                    /* lanes 0-7 the scales */
+            const __m256i mins = _mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8)); /* the 8 mins */
+            __m512i isum[TILE_X];
+            for (int i = 0; i < TILE_X; i++) isum[i] = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                const __m256i nib = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+                const __m512i u = _mm512_and_si512(
+                    _mm512_inserti64x4(_mm512_castsi256_si512(nib), _mm256_srli_epi16(nib, 4), 1), m0f);
+                const __m512i scale = _mm512_permutexvar_epi32(idx[c], sc);
+                for (int i = 0; i < mr; i++) {
+                    const xk_t *x = xs[i] + s;
+                    const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u,
+                                                          _mm512_loadu_si512((const void *)(x->q + 64 * c)));
+                    isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(p, scale));
+                }
+            }
+            for (int i = 0; i < mr; i++) {
+                const xk_t *x = xs[i] + s;
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_set1_ps(dw * x->d), acc[i]);
+                const __m256i mb = _mm256_mullo_epi32(mins, _mm256_loadu_si256((const __m256i *)x->bsum32));
+                accm[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mb), _mm256_set1_ps(dmin * x->d), accm[i]);
+            }
+        }
+        for (int i = 0; i < mr; i++) {
+            const __m128 m4 = _mm_add_ps(_mm256_castps256_ps128(accm[i]), _mm256_extractf128_ps(accm[i], 1));
+            __m128 t = _mm_add_ps(m4, _mm_movehl_ps(m4, m4));
+            t = _mm_add_ss(t, _mm_movehdup_ps(t));
+            y[(size_t)i * y_stride + n] = _mm512_reduce_add_ps(acc[i]) - _mm_cvtss_f32(t);
+        }
+    }
+}
+
+/* Rows n0..n1 of a K-quant matrix against all M rows of x, four rows of x at a time. */
+VNNI512_TARGET static void rows_kquant(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nsb,
+                                       const xk_t *xk, int M, float *y, int N) {
+    for (int m0 = 0; m0 < M; m0 += TILE_X) {
+        const int mr = M - m0 < TILE_X ? M - m0 : TILE_X;
+        const xk_t *xs[TILE_X];
+        for (int i = 0; i < TILE_X; i++) xs[i] = xk + (size_t)(m0 + (i < mr ? i : 0)) * nsb;
+        float *yt = y + (size_t)m0 * N;
+        if (wtype == LM_Q6_K) {
+            if (mr == 1) q6k_rows(w, row_bytes, n0, n1, nsb, xs, 1, yt, N);
+            else if (mr == TILE_X) q6k_rows(w, row_bytes, n0, n1, nsb, xs, TILE_X, yt, N);
+            else q6k_rows(w, row_bytes, n0, n1, nsb, xs, mr, yt, N);
+        } else {
+            if (mr == 1) q4k_rows(w, row_bytes, n0, n1, nsb, xs, 1, yt, N);
+            else if (mr == TILE_X) q4k_rows(w, row_bytes, n0, n1, nsb, xs, TILE_X, yt, N);
+            else q4k_rows(w, row_bytes, n0, n1, nsb, xs, mr, yt, N);
+        }
+    }
+}
+
 static int cpu_level = -1; /* 0 plain, 1 AVX2, 2 AVX-512 VNNI (256-bit), 3 AVX-512 VNNI tiles */
 #endif
 
@@ -344,18 +622,28 @@ typedef struct {
     int N, nb, M;
     const qblock_t *xq;
     const float *xd;
+    const void *xp; /* Q5_0P with M <= TILE_X: the prepared rows of x (xpair_t) */
     float *y;
+    volatile int failed; /* a part could not have its scratch */
 } mm_job_t;
 
 static void mm_part(void *p, int part, int parts) {
-    const mm_job_t *J = (const mm_job_t *)p;
+    mm_job_t *J = (mm_job_t *)p;
     /* Rows in runs of 8, dealt out in order: neighbouring rows stay on one thread. */
     const int runs = (J->N + 7) / 8, per = (runs + parts - 1) / parts;
     const int n0 = part * per * 8, n1 = (part + 1) * per * 8 < J->N ? (part + 1) * per * 8 : J->N;
     if (n0 >= n1) return;
 #ifdef LM_X86
     if (J->level == 3) {
+        if (J->xp != NULL) {
+            rows_q5p_direct(J->w, J->row_bytes, n0, n1, J->nb, (const xpair_t *)J->xp, J->M, J->y, J->N);
+            return;
+        }
         if (rows_vnni512(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N) == 0) return;
+        if (J->wtype == LM_Q5_0P) { /* only the tiles read it */
+            J->failed = 1;
+            return;
+        }
         /* no scratch: the untiled loop below needs none */
         rows_vnni(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N);
         return;
@@ -366,10 +654,7 @@ static void mm_part(void *p, int part, int parts) {
     rows_scalar(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N);
 }
 
-int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N, float *y, int n_threads,
-               int force_scalar) {
-    const int bb = lm_block_bytes(wtype);
-    if (bb == 0 || K % QK != 0 || M < 0 || N < 0) return LM_EINVAL;
+int lm_cpu_level(void) {
 #ifdef LM_X86
     if (cpu_level < 0) {
         __builtin_cpu_init();
@@ -379,26 +664,132 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
         const int vnni512 = vnni && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
         cpu_level = vnni512 ? 3 : vnni ? 2 : avx2 ? 1 : 0;
     }
-    const int level = force_scalar ? 0 : cpu_level;
+    return cpu_level;
 #else
-    const int level = 0;
-    (void)force_scalar;
+    return 0;
 #endif
+}
+
+#ifdef LM_X86
+typedef struct {
+    int wtype;
+    const uint8_t *w;
+    size_t row_bytes;
+    int N, nsb, M;
+    const xk_t *xk;
+    float *y;
+} kmm_job_t;
+
+static void kmm_part(void *p, int part, int parts) {
+    const kmm_job_t *J = (const kmm_job_t *)p;
+    const int runs = (J->N + 7) / 8, per = (runs + parts - 1) / parts;
+    const int n0 = part * per * 8, n1 = (part + 1) * per * 8 < J->N ? (part + 1) * per * 8 : J->N;
+    if (n0 < n1) rows_kquant(J->wtype, J->w, J->row_bytes, n0, n1, J->nsb, J->xk, J->M, J->y, J->N);
+}
+#endif
+
+/* Q4_K and Q6_K: only where the CPU has AVX-512 VNNI (elsewhere the torch runner converts them). */
+static int qmatmul_k(const float *x, int M, int K, const uint8_t *w, int wtype, int N, float *y, int n_threads,
+                     int level) {
+#ifdef LM_X86
+    if (level != 3 || K % QKK != 0) return LM_EINVAL;
+    const int nsb = K / QKK;
+    xk_t *xk = aligned_alloc(64, sizeof(xk_t) * ((size_t)M * nsb + 1));
+    if (xk == NULL) return LM_ENOMEM;
+    for (int m = 0; m < M; m++) quantize_row_k(x + (size_t)m * K, nsb, xk + (size_t)m * nsb);
+    kmm_job_t J = {wtype, w, (size_t)nsb * kquant_bytes(wtype), N, nsb, M, xk, y};
+    int parts = n_threads < 1 ? 1 : n_threads;
+    if ((size_t)N * nsb < 512) parts = 1; /* too small to share out */
+    lm_pool_run(kmm_part, &J, parts);
+    free(xk);
+    return LM_OK;
+#else
+    (void)x, (void)M, (void)K, (void)w, (void)wtype, (void)N, (void)y, (void)n_threads, (void)level;
+    return LM_EINVAL;
+#endif
+}
+
+int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N, float *y, int n_threads,
+               int force_scalar) {
+    if (M < 0 || N < 0) return LM_EINVAL;
+    if (wtype == LM_Q4_K || wtype == LM_Q6_K)
+        return qmatmul_k(x, M, K, w, wtype, N, y, n_threads, force_scalar ? 0 : lm_cpu_level());
+    const int bb = lm_block_bytes(wtype);
+    if (bb == 0 || K % QK != 0 || M < 0 || N < 0) return LM_EINVAL;
+    const int level = force_scalar ? 0 : lm_cpu_level();
+    /* Q5_0P: pairs of blocks, read by the AVX-512 VNNI loops alone (lm_repack makes it there) */
+    if (wtype == LM_Q5_0P && (level != 3 || K % (2 * QK) != 0)) return LM_EINVAL;
     const int nb = K / QK;
     qblock_t *xq = malloc(sizeof(qblock_t) * (size_t)M * nb + 1);
     float *xd = malloc(sizeof(float) * (size_t)M * nb + 1);
-    if (xq == NULL || xd == NULL) {
+    void *xp = NULL;
+    int xp_needed = 0;
+#ifdef LM_X86
+    xp_needed = wtype == LM_Q5_0P && M <= TILE_X;
+    if (xp_needed) xp = aligned_alloc(64, sizeof(xpair_t) * ((size_t)M * nb / 2 + 1));
+#endif
+    if (xq == NULL || xd == NULL || (xp_needed && xp == NULL)) {
         free(xq);
         free(xd);
+        free(xp);
         return LM_ENOMEM;
     }
     for (int m = 0; m < M; m++) quantize_row(x + (size_t)m * K, nb, xq + (size_t)m * nb, xd + (size_t)m * nb);
-    mm_job_t J = {level, wtype, w, (size_t)nb * bb, N, nb, M, xq, xd, y};
+#ifdef LM_X86
+    if (xp != NULL) q5p_prepare(xq, xd, M, nb, (xpair_t *)xp);
+#endif
+    mm_job_t J = {level, wtype, w, (size_t)nb * bb, N, nb, M, xq, xd, xp, y, 0};
     int parts = n_threads < 1 ? 1 : n_threads;
     if ((size_t)N * nb < 4096) parts = 1; /* too small to share out */
     lm_pool_run(mm_part, &J, parts);
     free(xq);
     free(xd);
+    free(xp);
+    return J.failed ? LM_ENOMEM : LM_OK;
+}
+
+/* Q5_0 rows (K a multiple of 64) to Q5_0P (see above), or back with reverse: the same bytes
+ * rearranged, so a file's blocks can be kept either way. */
+int lm_repack(const uint8_t *w, int wtype, int N, int K, uint8_t *out, int reverse) {
+    if (wtype != LM_Q5_0 || K % (2 * QK) != 0 || N < 0) return LM_EINVAL;
+    const size_t pairs = (size_t)N * (K / (2 * QK));
+    for (size_t p = 0; p < pairs; p++) {
+        const uint8_t *in = w + p * 44;
+        uint8_t *o = out + p * 44;
+        if (!reverse) {
+            const uint8_t *b[2] = {in, in + 22};
+            uint64_t hb = 0;
+            for (int k = 0; k < 2; k++) {
+                uint32_t qh;
+                memcpy(&qh, b[k] + 2, 4);
+                hb |= (uint64_t)qh << (32 * k); /* Q5_0's bit j is weight j's high bit */
+            }
+            memcpy(o, b[0], 2);
+            memcpy(o + 2, b[1], 2);
+            memcpy(o + 4, &hb, 8);
+            for (int i = 0; i < 32; i++) { /* weight i of a Q5_0 block: byte i % 16, nibble i / 16 */
+                const uint8_t n0 = (b[0][6 + i % 16] >> (4 * (i / 16))) & 0x0f;
+                const uint8_t n1 = (b[1][6 + i % 16] >> (4 * (i / 16))) & 0x0f;
+                o[12 + i] = (uint8_t)(n0 | (n1 << 4));
+            }
+        } else {
+            uint8_t *b[2] = {o, o + 22};
+            uint64_t hb;
+            memcpy(&hb, in + 4, 8);
+            memcpy(b[0], in, 2);
+            memcpy(b[1], in + 2, 2);
+            for (int k = 0; k < 2; k++) {
+                const uint32_t qh = (uint32_t)(hb >> (32 * k));
+                memcpy(b[k] + 2, &qh, 4);
+                memset(b[k] + 6, 0, 16);
+            }
+            for (int i = 0; i < 32; i++)
+                for (int k = 0; k < 2; k++) {
+                    const uint8_t nib = (in[12 + i] >> (4 * k)) & 0x0f;
+                    b[k][6 + i % 16] |= (uint8_t)(nib << (4 * (i / 16)));
+                }
+        }
+    }
     return LM_OK;
 }
 

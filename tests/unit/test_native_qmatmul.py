@@ -82,3 +82,69 @@ def test_bad_shapes_are_refused_with_a_clear_error():
     blocks = blocks_of(np.ones((8, 64), dtype=np.float32), "Q5_0")
     with pytest.raises(ValueError, match="do not hold"):
         native.qmatmul(torch.ones(1, 96), blocks, "Q5_0")
+
+
+wide = pytest.mark.skipif(not native.wide_kernels(), reason="the CPU has no AVX-512 VNNI")
+K_QUANTS = ["Q4_K", "Q6_K"]
+
+
+def k_blocks(rng, n: int, k: int, kind: str) -> torch.Tensor:
+    """Random super-blocks: every byte pattern is a valid Q4_K / Q6_K block once its float16
+    scales are finite, so random bytes reach every scale, min and weight value."""
+    raw = rng.integers(0, 256, (n, k // 256, native.SUPER_BYTES[kind]), dtype=np.uint8)
+    for at in ([0, 2] if kind == "Q4_K" else [208]):  # d (and dmin)
+        raw[:, :, at:at + 2] = (rng.random((n, k // 256, 1)) * 0.01 + 1e-3).astype(np.float16).view(np.uint8)
+    return torch.from_numpy(raw.reshape(n, -1).copy())
+
+
+def q8k_values(x: torch.Tensor) -> torch.Tensor:
+    """x as llama.cpp's Q8_K activations (quantize_row_q8_K_ref): per 256, d = max / -127 with
+    max the value of largest magnitude, values round(x / d) to nearest even, capped at 127."""
+    g = x.reshape(x.shape[0], -1, 256)
+    mx = g.gather(-1, g.abs().argmax(-1, keepdim=True))
+    iscale = torch.where(mx != 0, -127.0 / mx, torch.zeros_like(mx))
+    q = torch.round(iscale * g).clamp(max=127)
+    return (q * torch.where(mx != 0, 1.0 / iscale, torch.zeros_like(iscale))).reshape(x.shape)
+
+
+@wide
+@pytest.mark.parametrize("kind", K_QUANTS)
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+def test_k_quants_are_the_product_of_q8k_activations_and_the_files_weights(kind, m):
+    rng = np.random.default_rng(m)
+    n, k = 70, 768
+    blocks = k_blocks(rng, n, k, kind)
+    wq = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[kind])).double()
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    x[0, :256] = 0  # an all-zero super-block
+    want = (q8k_values(x).double() @ wq.t()).float()
+    for threads in (1, 2, 3):
+        torch.testing.assert_close(native.qmatmul(x, blocks, kind, n_threads=threads), want, atol=1e-4, rtol=1e-5)
+    alone = torch.cat([native.qmatmul(x[i:i + 1], blocks, kind) for i in range(m)])
+    assert torch.equal(native.qmatmul(x, blocks, kind), alone)
+
+
+@wide
+def test_q5_0_in_pairs_gives_the_same_bits_and_packs_back():
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((90, 384)).astype(np.float32)
+    blocks = blocks_of(w, "Q5_0")
+    pairs = native.repack(blocks, "Q5_0")
+    assert torch.equal(native.repack(pairs, "Q5_0", reverse=True), blocks)
+    for m in (1, 2, 4, 5, 12):
+        x = torch.from_numpy(rng.standard_normal((m, 384)).astype(np.float32))
+        for threads in (1, 2):
+            assert torch.equal(native.qmatmul(x, pairs, "Q5_0P", n_threads=threads),
+                               native.qmatmul(x, blocks, "Q5_0", n_threads=threads))
+    layer = BlockLinear(blocks, "Q5_0")
+    assert layer.kind == "Q5_0P" and torch.equal(layer.tensors()["blocks"], blocks)
+
+
+@wide
+def test_odd_shapes_are_refused_for_the_wide_layouts():
+    with pytest.raises(ValueError, match="cannot be repacked"):
+        native.repack(blocks_of(np.ones((4, 96), dtype=np.float32), "Q5_0"), "Q5_0")  # 3 blocks a row
+    assert BlockLinear(blocks_of(np.ones((4, 96), dtype=np.float32), "Q5_0"), "Q5_0").kind == "Q5_0"
+    blocks = k_blocks(np.random.default_rng(0), 4, 512, "Q6_K")
+    with pytest.raises(ValueError, match="do not hold"):
+        native.qmatmul(torch.ones(1, 384), blocks, "Q6_K")

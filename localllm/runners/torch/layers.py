@@ -152,15 +152,17 @@ def load_linear(weights: GGUFWeights, name: str, act_dtype: torch.dtype, device,
     calls for (see quant.py): on the CPU int4 or int8 (or, with ``blocks``, the file's blocks); on CUDA int4 where the storage is 4-bit
     and the shape fits torch's CUDA kernel; float weights in ``act_dtype`` otherwise (when
     computing in float32, on Apple's MPS). int8_types: the stored types kept as int8 rows
-    (quant.SCHEMES; the default scheme's when None). blocks: Q4_0 / Q5_0 / Q8_0 tensors stay in
-    their GGUF blocks for the native kernel (the "gguf-blocks" scheme; CPU only)."""
+    (quant.SCHEMES; the default scheme's when None). blocks: Q4_0 / Q5_0 / Q8_0 tensors, and
+    where the CPU has AVX-512 VNNI Q4_K / Q6_K ones, stay in their GGUF blocks for the native
+    kernel (the "gguf-blocks" scheme; CPU only)."""
     from localllm.runners.torch import native, quant
 
     int8_types = quant.INT8_TYPES if int8_types is None else int8_types
     kind = weights.tensor_type(f"{name}.weight")
     dev = torch.device(device)
     b = weights.get(f"{name}.bias").to(device) if bias else None
-    if blocks and kind in native.BLOCK_TYPES and dev.type == "cpu":
+    if blocks and dev.type == "cpu" and (kind in native.BLOCK_TYPES or (
+            kind in native.K_TYPES and native.wide_kernels() and weights.shape(f"{name}.weight")[1] % 256 == 0)):
         data, _, _ = weights.raw(f"{name}.weight")
         return quant.BlockLinear(torch.from_numpy(np.array(data)), kind, bias=b)
     dense = ((act_dtype == torch.float32 and not blocks) or kind in quant.FLOAT_TYPES

@@ -14,13 +14,20 @@ import importlib.util
 
 import torch
 
-ABI_VERSION = 3  # native/localllm_native.h's LM_ABI_VERSION
+ABI_VERSION = 4  # native/localllm_native.h's LM_ABI_VERSION
 # What a KV pool holds, as native/attention.c numbers it (LM_KV_*): int8 is q8_0, with scales.
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
 REBUILD = "rebuild localllm's native kernels with `pip install -e .` (a C compiler is needed)"
 # GGUF block formats the native matmul reads in place (GGML's type numbers).
 BLOCK_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8}
-BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34}
+BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q5_0P": 22}
+# K-quant super-blocks (256 weights) the matmul reads in place where ``wide_kernels()``.
+K_TYPES = {"Q4_K": 12, "Q6_K": 14}
+SUPER_BYTES = {"Q4_K": 144, "Q6_K": 210}
+# Layouts of our own the matmul also reads: "Q5_0P" is Q5_0 with each pair of blocks
+# rearranged for AVX-512 (native/qmatmul.c; ``repack`` makes it where ``wide_kernels()``).
+PACKED_TYPES = {"Q5_0P": 106}
+PACKED_FROM = {"Q5_0": "Q5_0P"}
 _ERRORS = {1: "invalid arguments", 2: "out of memory"}
 
 
@@ -62,6 +69,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, bool]:
     lib.lm_qmatmul.argtypes = [vp, ci, ci, vp, ci, ci, vp, ci, ci]
     lib.lm_dequantize.restype = ci
     lib.lm_dequantize.argtypes = [vp, ci, ci, ci, vp]
+    lib.lm_repack.restype = ci
+    lib.lm_repack.argtypes = [vp, ci, ci, ci, vp, ci]
+    lib.lm_cpu_level.restype = ci
+    lib.lm_cpu_level.argtypes = []
     lib.lm_pool_use_openmp.restype = None
     lib.lm_pool_use_openmp.argtypes = [vp, vp, vp]
     _share_torchs_threads(lib)
@@ -137,6 +148,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def row_bytes(kind: str, k: int) -> int | None:
+    """The bytes of one row of k weights in ``kind`` (None when k does not divide into its blocks)."""
+    if kind in SUPER_BYTES:
+        return k // 256 * SUPER_BYTES[kind] if k % 256 == 0 else None
+    return k // 32 * BLOCK_BYTES[kind] if k % 32 == 0 else None
+
+
 def qmatmul(x: torch.Tensor, blocks: torch.Tensor, kind: str, n_threads: int | None = None,
             force_scalar: bool = False) -> torch.Tensor:
     """native/qmatmul.c: x (M, K) float32 times W^T, W (N, K) given as its GGUF blocks
@@ -146,14 +164,35 @@ def qmatmul(x: torch.Tensor, blocks: torch.Tensor, kind: str, n_threads: int | N
     x = x.float().contiguous()
     m, k = x.shape
     n = blocks.shape[0]
-    if not blocks.is_contiguous() or blocks.shape[1] * 32 != k * BLOCK_BYTES[kind]:
+    if not blocks.is_contiguous() or blocks.shape[1] != row_bytes(kind, k):
         raise ValueError(f"{kind} blocks of shape {tuple(blocks.shape)} do not hold a ({n}, {k}) matrix")
     y = torch.empty(m, n, dtype=torch.float32)
-    rc = _required().lm_qmatmul(x.data_ptr(), m, k, blocks.data_ptr(), BLOCK_TYPES[kind], n, y.data_ptr(),
+    code = BLOCK_TYPES.get(kind) or K_TYPES.get(kind) or PACKED_TYPES[kind]
+    rc = _required().lm_qmatmul(x.data_ptr(), m, k, blocks.data_ptr(), code, n, y.data_ptr(),
                               n_threads if n_threads is not None else torch.get_num_threads(), int(force_scalar))
     if rc:
         raise RuntimeError(f"native qmatmul failed: {_ERRORS.get(rc, rc)}")
     return y
+
+
+def wide_kernels() -> bool:
+    """Whether the matmul's AVX-512 VNNI loops run here, which alone read "Q5_0P" and the
+    K-quants (K_TYPES)."""
+    lib = library()
+    return lib is not None and lib.lm_cpu_level() == 3
+
+
+def repack(blocks: torch.Tensor, kind: str, reverse: bool = False) -> torch.Tensor:
+    """A Q5_0 matrix's blocks (N, K / 32 * 22), K a multiple of 64, in the "Q5_0P" layout the
+    AVX-512 matmul unpacks fastest (the same bytes rearranged: the same products, bit for
+    bit), or back with ``reverse``."""
+    out = torch.empty_like(blocks)
+    n, row = blocks.shape
+    rc = _required().lm_repack(blocks.contiguous().data_ptr(), BLOCK_TYPES[kind], n, row * 32 // BLOCK_BYTES[kind],
+                               out.data_ptr(), int(reverse))
+    if rc:
+        raise ValueError(f"{kind} blocks of shape {tuple(blocks.shape)} cannot be repacked in pairs")
+    return out
 
 
 def dequantize(blocks: torch.Tensor, kind: str, k: int) -> torch.Tensor:

@@ -127,7 +127,9 @@ class TorchRunner:
         dtype = torch.bfloat16 if weights.is_quantized and not blocks else torch.float32
         cache = None
         if config.weights_cache_dir is not None and weights.is_quantized and self.device.type == "cpu":
-            cache = WeightCache(config.weights_cache_dir, path, self.weights_scheme)
+            # (which tensors stay blocks depends on what this CPU's native kernels read)
+            layout = "+wide" if blocks and native_kernels.wide_kernels() else ""
+            cache = WeightCache(config.weights_cache_dir, path, self.weights_scheme + layout)
         source = LayerSource(weights, dtype, self.device, cache.load() if cache else None,
                              int8_types=quant.SCHEMES[scheme], blocks=blocks)
         self.model = models.build(self.config, source, dtype, self.device)
