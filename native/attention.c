@@ -267,6 +267,51 @@ AVX512 static inline __m512 exp16(__m512 x) {
     return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
+/* Scores of G (a constant at each call, so the sums stay in registers) queries against a
+ * block's transposed keys kt: two running sums per query (even and odd dimensions), so the
+ * adds of one query do not wait on each other. */
+AVX512 static inline __attribute__((always_inline)) void block_scores(const float *q0, const float *kt, const int D,
+                                                                      const int G, __m512 *out) {
+    __m512 sc[QGROUP], so[QGROUP];
+    for (int g = 0; g < G; g++) sc[g] = so[g] = _mm512_setzero_ps();
+    for (int t = 0; t < D; t += 2) {
+        const __m512 ke = _mm512_load_ps(kt + (size_t)t * 16), ko = _mm512_load_ps(kt + (size_t)(t + 1) * 16);
+        for (int g = 0; g < G; g++) {
+            sc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q0[(size_t)g * D + t]), ke, sc[g]);
+            so[g] = _mm512_fmadd_ps(_mm512_set1_ps(q0[(size_t)g * D + t + 1]), ko, so[g]);
+        }
+    }
+    for (int g = 0; g < G; g++) out[g] = _mm512_add_ps(sc[g], so[g]);
+}
+
+/* acc[g] += sum_j p[g][j] v[j] for G queries (a constant at each call), a dimension chunk at
+ * a time. (V is first copied out of the pool as float32: reading it from the pool inside this
+ * loop measured slower out of memory.) */
+AVX512 static inline __attribute__((always_inline)) void block_pv(float *acc, const float *pb, const float *vb,
+                                                                  const int n, const int D, const int G) {
+    for (int c = 0; c < D / 16; c++) {
+        __m512 a[QGROUP];
+        for (int g = 0; g < G; g++) a[g] = _mm512_load_ps(acc + (size_t)g * D + c * 16);
+        for (int j = 0; j < n; j++) {
+            const __m512 vv = _mm512_load_ps(vb + (size_t)j * D + c * 16);
+            for (int g = 0; g < G; g++) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(pb[(size_t)g * 16 + j]), vv, a[g]);
+        }
+        for (int g = 0; g < G; g++) _mm512_store_ps(acc + (size_t)g * D + c * 16, a[g]);
+    }
+}
+
+#define BY_GROUP(G, CALL) \
+    switch (G) {           \
+    case 1: { const int G_ = 1; CALL; } break; \
+    case 2: { const int G_ = 2; CALL; } break; \
+    case 3: { const int G_ = 3; CALL; } break; \
+    case 4: { const int G_ = 4; CALL; } break; \
+    case 5: { const int G_ = 5; CALL; } break; \
+    case 6: { const int G_ = 6; CALL; } break; \
+    case 7: { const int G_ = 7; CALL; } break; \
+    default: { const int G_ = QGROUP; CALL; } break; \
+    }
+
 AVX512 static inline __attribute__((always_inline)) void item_avx512(const job_t *J, const int32_t *item,
                                                                       float *scratch, const int D) {
     const int s = item[0], kvh = item[1], chunk = item[2], r0 = item[3], r1 = item[4];
@@ -341,29 +386,9 @@ AVX512 static inline __attribute__((always_inline)) void item_avx512(const job_t
 
         for (int x0 = 0; x0 < nq; x0 += QGROUP) {
             const int G = nq - x0 < QGROUP ? nq - x0 : QGROUP;
-            /* Two running sums per query (even and odd dimensions), so the adds of one query
-             * do not wait on each other. */
-            __m512 sc[QGROUP], so[QGROUP];
-            for (int g = 0; g < QGROUP; g++) sc[g] = so[g] = _mm512_setzero_ps();
+            __m512 sc[QGROUP];
             const float *q0 = qv + (size_t)x0 * D;
-            if (G == QGROUP) {
-                for (int t = 0; t < D; t += 2) {
-                    const __m512 ke = _mm512_load_ps(kt + (size_t)t * 16), ko = _mm512_load_ps(kt + (size_t)(t + 1) * 16);
-                    for (int g = 0; g < QGROUP; g++) {
-                        sc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q0[(size_t)g * D + t]), ke, sc[g]);
-                        so[g] = _mm512_fmadd_ps(_mm512_set1_ps(q0[(size_t)g * D + t + 1]), ko, so[g]);
-                    }
-                }
-            } else {
-                for (int t = 0; t < D; t += 2) {
-                    const __m512 ke = _mm512_load_ps(kt + (size_t)t * 16), ko = _mm512_load_ps(kt + (size_t)(t + 1) * 16);
-                    for (int g = 0; g < G; g++) {
-                        sc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q0[(size_t)g * D + t]), ke, sc[g]);
-                        so[g] = _mm512_fmadd_ps(_mm512_set1_ps(q0[(size_t)g * D + t + 1]), ko, so[g]);
-                    }
-                }
-            }
-            for (int g = 0; g < G; g++) sc[g] = _mm512_add_ps(sc[g], so[g]);
+            BY_GROUP(G, block_scores(q0, kt, D, G_, sc))
             for (int g = 0; g < G; g++) {
                 const int x = x0 + g, p = pos[x];
                 const int see_lo = J->n_swa > 0 ? p - J->n_swa + 1 : 0;
@@ -387,19 +412,10 @@ AVX512 static inline __attribute__((always_inline)) void item_avx512(const job_t
                 _mm512_store_ps(px, e);
             }
         }
-        /* acc[x] += sum_j p[x][j] v[j], a dimension chunk at a time for QGROUP queries. */
+        /* acc[x] += sum_j p[x][j] v[j], QGROUP queries at a time. */
         for (int x0 = 0; x0 < nq; x0 += QGROUP) {
             const int G = nq - x0 < QGROUP ? nq - x0 : QGROUP;
-            for (int c = 0; c < DV; c++) {
-                __m512 a[QGROUP];
-                for (int g = 0; g < G; g++) a[g] = _mm512_load_ps(acc + (size_t)(x0 + g) * D + c * 16);
-                for (int j = 0; j < n; j++) {
-                    const __m512 vv = _mm512_load_ps(vb + (size_t)j * D + c * 16);
-                    for (int g = 0; g < G; g++)
-                        a[g] = _mm512_fmadd_ps(_mm512_set1_ps(pb[(size_t)(x0 + g) * 16 + j]), vv, a[g]);
-                }
-                for (int g = 0; g < G; g++) _mm512_store_ps(acc + (size_t)(x0 + g) * D + c * 16, a[g]);
-            }
+            BY_GROUP(G, block_pv(acc + (size_t)x0 * D, pb + (size_t)x0 * 16, vb, n, D, G_))
         }
     }
     for (int i = 0; i < r1 - r0; i++)
