@@ -23,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 from _common import machine, median, model_path
-from torch_fidelity import all_logits, log_softmax
 
 from localllm.commands.bench import run_concurrency
 from localllm.config import CacheConfig, EngineConfig, SchedulerConfig
 from localllm.engine.engine import LLMEngine
+from localllm.evaluation import all_logits, log_softmax
 
 FTYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 
@@ -71,7 +71,7 @@ def main() -> None:
                            requantize(path, tmp / f"{kind}.gguf", kind, args.threads), None))
     candidates += [("torch int4 + int8 rows (default)", "torch", path, "int4-int8-bf16"),
                    ("torch int4 for 4-5 bit, int8 for 6-8 bit", "torch", path, "int4-bf16"),
-                   ("torch gguf-blocks (native Q5_0 / Q8_0 kernel)", "torch", path, "gguf-blocks")]
+                   ("torch gguf-blocks (the file's blocks, native kernel)", "torch", path, "gguf-blocks")]
     results = []
     for label, runner, file, scheme in candidates:
         config = dataclasses.replace(base, model_path=file, runner=runner)
