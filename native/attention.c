@@ -91,6 +91,7 @@ typedef struct {
     int n_items;
     int next;   /* the next unclaimed item (atomic) */
     int failed; /* a part could not get its scratch memory (atomic) */
+    int max_blocks; /* the most blocks of keys one item visits (the AVX-512 copy keeps their scores) */
 } job_t;
 
 /* Rows row0..row0+n-1 of the flattened pool (block * block_size + offset), KV head kvh, as
@@ -214,6 +215,7 @@ LM_CLONES static void item_any(const job_t *J, const int32_t *it, float *sc) { i
 #ifdef LM_HAVE_AVX512_ATTN
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 #define QGROUP 8 /* queries scored together against one block (a KV head's 7 query heads in Qwen2.5) */
+#define PREFETCH_BLOCKS 4 /* how far ahead the next blocks' rows are asked for (1: 7 % slower out of memory) */
 
 AVX512 static inline __m512 load16(const void *cache, int kv_type, size_t first, float scale) {
     if (kv_type == LM_KV_Q8) {
@@ -284,19 +286,34 @@ AVX512 static inline __attribute__((always_inline)) void block_scores(const floa
     for (int g = 0; g < G; g++) out[g] = _mm512_add_ps(sc[g], so[g]);
 }
 
-/* acc[g] += sum_j p[g][j] v[j] for G queries (a constant at each call), a dimension chunk at
- * a time. (V is first copied out of the pool as float32: reading it from the pool inside this
- * loop measured slower out of memory.) */
-AVX512 static inline __attribute__((always_inline)) void block_pv(float *acc, const float *pb, const float *vb,
-                                                                  const int n, const int D, const int G) {
+/* acc[g] += sum_j p[g][j] v[j] for G queries (a constant at each call; query g's 16
+ * probabilities at pb + g * pstride), a dimension chunk at a time, V read from the pool (key j's
+ * row at element first + j * stride), even and odd keys in two sums so that the adds of one
+ * query do not wait on each other. */
+AVX512 static inline __attribute__((always_inline)) void block_pv(float *acc, const float *pb, size_t pstride,
+                                                                  const void *v, int kv, size_t first, size_t stride,
+                                                                  const float *vsc, const int n, const int D,
+                                                                  const int G) {
     for (int c = 0; c < D / 16; c++) {
-        __m512 a[QGROUP];
-        for (int g = 0; g < G; g++) a[g] = _mm512_load_ps(acc + (size_t)g * D + c * 16);
-        for (int j = 0; j < n; j++) {
-            const __m512 vv = _mm512_load_ps(vb + (size_t)j * D + c * 16);
-            for (int g = 0; g < G; g++) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(pb[(size_t)g * 16 + j]), vv, a[g]);
+        __m512 a[QGROUP], b[QGROUP];
+        for (int g = 0; g < G; g++) {
+            a[g] = _mm512_load_ps(acc + (size_t)g * D + c * 16);
+            b[g] = _mm512_setzero_ps();
         }
-        for (int g = 0; g < G; g++) _mm512_store_ps(acc + (size_t)g * D + c * 16, a[g]);
+        int j = 0;
+        for (; j + 1 < n; j += 2) {
+            const __m512 v0 = load16(v, kv, first + (size_t)j * stride + c * 16, vsc[j]);
+            const __m512 v1 = load16(v, kv, first + (size_t)(j + 1) * stride + c * 16, vsc[j + 1]);
+            for (int g = 0; g < G; g++) {
+                a[g] = _mm512_fmadd_ps(_mm512_set1_ps(pb[g * pstride + j]), v0, a[g]);
+                b[g] = _mm512_fmadd_ps(_mm512_set1_ps(pb[g * pstride + j + 1]), v1, b[g]);
+            }
+        }
+        if (j < n) {
+            const __m512 v0 = load16(v, kv, first + (size_t)j * stride + c * 16, vsc[j]);
+            for (int g = 0; g < G; g++) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(pb[g * pstride + j]), v0, a[g]);
+        }
+        for (int g = 0; g < G; g++) _mm512_store_ps(acc + (size_t)g * D + c * 16, _mm512_add_ps(a[g], b[g]));
     }
 }
 
@@ -313,7 +330,7 @@ AVX512 static inline __attribute__((always_inline)) void block_pv(float *acc, co
     }
 
 AVX512 static inline __attribute__((always_inline)) void item_avx512(const job_t *J, const int32_t *item,
-                                                                      float *scratch, const int D) {
+                                                                      float *scratch, const int D, const int KV) {
     const int s = item[0], kvh = item[1], chunk = item[2], r0 = item[3], r1 = item[4];
     const int group = J->n_head / J->n_kv;
     const int per = (group + J->head_chunks - 1) / J->head_chunks;
@@ -324,11 +341,17 @@ AVX512 static inline __attribute__((always_inline)) void item_avx512(const job_t
     const int32_t *table = J->tables + J->table_start[s];
     const size_t stride = (size_t)J->n_kv * D;
 
+    const int hi = first_pos + r1 - 1;
+    int lo = 0;
+    if (J->n_swa > 0) { lo = first_pos + r0 - J->n_swa + 1; if (lo < 0) lo = 0; }
+    const int b_first = lo / 16, n_blocks = hi / 16 - b_first + 1;
+    const size_t pst = (size_t)n_blocks * 16; /* one query's scores (then probabilities), all blocks */
+
     /* 64-byte aligned parts of the scratch (scratch_floats leaves room for the rounding). */
     float *base = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     float *qv = base, *acc = qv + (size_t)nq * D, *kt = acc + (size_t)nq * D, *vb = kt + (size_t)16 * D;
-    float *pb = vb + (size_t)16 * D, *m = pb + (size_t)16 * nq, *l = m + nq;
-    int *pos = (int *)(l + nq);
+    float *mv = vb + (size_t)16 * D, *l = mv + (size_t)16 * nq, *pb = l + ((nq + 15) & ~15);
+    int *pos = (int *)(pb + (size_t)nq * pst);
 
     for (int i = 0; i < r1 - r0; i++)
         for (int h = 0; h < nh; h++) {
@@ -336,86 +359,88 @@ AVX512 static inline __attribute__((always_inline)) void item_avx512(const job_t
             float *dst = qv + (size_t)(i * nh + h) * D;
             for (int t = 0; t < D; t++) dst[t] = src[t] * J->scale;
         }
-    for (int x = 0; x < nq; x++) { m[x] = -INFINITY; l[x] = 0.0f; pos[x] = first_pos + r0 + x / nh; }
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    for (int x = 0; x < nq; x++) { _mm512_store_ps(mv + (size_t)x * 16, neg_inf); pos[x] = first_pos + r0 + x / nh; }
     memset(acc, 0, sizeof(float) * (size_t)nq * D);
 
+    /* Three passes over the blocks, so the softmax needs no running corrections: every query's
+     * scores and their lane-wise maximum; then its probabilities against the maximum; then V
+     * weighted by them. Each query's arithmetic is its own, the same in any batch. */
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-    const int hi = first_pos + r1 - 1;
-    int lo = 0;
-    if (J->n_swa > 0) { lo = first_pos + r0 - J->n_swa + 1; if (lo < 0) lo = 0; }
-    const size_t elt = J->kv_type == LM_KV_F32 ? 4 : J->kv_type == LM_KV_F16 ? 2 : 1;
-    for (int b0 = (lo / 16) * 16; b0 <= hi; b0 += 16) {
-        const int blk = table[b0 / 16];
+    const size_t elt = KV == LM_KV_F32 ? 4 : KV == LM_KV_F16 ? 2 : 1;
+    for (int bi = 0; bi < n_blocks; bi++) {
+        const int b0 = (b_first + bi) * 16, blk = table[b0 / 16];
         const int j0 = b0 > lo ? b0 : lo, j1 = b0 + 15 < hi ? b0 + 15 : hi, n = j1 - j0 + 1;
         const size_t row0 = (size_t)blk * 16 + (j0 - b0);
         /* The next block lies anywhere in the pool, so the hardware cannot guess it: ask for
-         * its K and V rows of this head now, while this block is computed. */
-        if (b0 + 16 <= hi) {
-            const size_t next = (size_t)table[b0 / 16 + 1] * 16;
+         * its K rows of this head some blocks ahead, while this block is computed. */
+        if (b0 + 16 * PREFETCH_BLOCKS <= hi) {
+            const size_t next = (size_t)table[b0 / 16 + PREFETCH_BLOCKS] * 16;
             for (int j = 0; j < 16; j++) {
                 const size_t at = ((next + j) * stride + (size_t)kvh * D) * elt;
-                for (size_t off = 0; off < (size_t)D * elt; off += 64) {
-                    _mm_prefetch((const char *)J->k + at + off, _MM_HINT_T0);
-                    _mm_prefetch((const char *)J->v + at + off, _MM_HINT_T0);
-                }
+                for (size_t off = 0; off < (size_t)D * elt; off += 64) _mm_prefetch((const char *)J->k + at + off, _MM_HINT_T0);
             }
         }
-        float ksc[16], vsc[16];
-        for (int j = 0; j < 16; j++) {
-            ksc[j] = vsc[j] = 1.0f;
-            if (J->kv_type == LM_KV_Q8 && j < n) {
-                ksc[j] = lm_half_to_float(J->k_scales[(row0 + j) * J->n_kv + kvh]);
-                vsc[j] = lm_half_to_float(J->v_scales[(row0 + j) * J->n_kv + kvh]);
-            }
-        }
+        float ksc[16];
+        for (int j = 0; j < 16; j++)
+            ksc[j] = KV == LM_KV_Q8 && j < n ? lm_half_to_float(J->k_scales[(row0 + j) * J->n_kv + kvh]) : 1.0f;
         for (int c = 0; c < DV; c++) {
             __m512 r[16];
             for (int j = 0; j < 16; j++)
-                r[j] = j < n ? load16(J->k, J->kv_type, (row0 + j) * stride + (size_t)kvh * D + c * 16, ksc[j])
+                r[j] = j < n ? load16(J->k, KV, (row0 + j) * stride + (size_t)kvh * D + c * 16, ksc[j])
                              : _mm512_setzero_ps();
             transpose16(r);
             for (int t = 0; t < 16; t++) _mm512_store_ps(kt + (size_t)(c * 16 + t) * 16, r[t]);
         }
-        for (int j = 0; j < n; j++)
-            for (int c = 0; c < DV; c++)
-                _mm512_store_ps(vb + (size_t)j * D + c * 16,
-                                load16(J->v, J->kv_type, (row0 + j) * stride + (size_t)kvh * D + c * 16, vsc[j]));
+        /* lanes are keys j0 - (j0 - b0) .. : key j0 + lane, for the n valid ones */
         const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(j0), iota);
         const __mmask16 valid = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
-
         for (int x0 = 0; x0 < nq; x0 += QGROUP) {
             const int G = nq - x0 < QGROUP ? nq - x0 : QGROUP;
             __m512 sc[QGROUP];
-            const float *q0 = qv + (size_t)x0 * D;
-            BY_GROUP(G, block_scores(q0, kt, D, G_, sc))
+            BY_GROUP(G, block_scores(qv + (size_t)x0 * D, kt, D, G_, sc))
             for (int g = 0; g < G; g++) {
                 const int x = x0 + g, p = pos[x];
                 const int see_lo = J->n_swa > 0 ? p - J->n_swa + 1 : 0;
                 const __mmask16 seen = valid & _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(p)) &
                                        _mm512_cmpge_epi32_mask(keys, _mm512_set1_epi32(see_lo));
-                float *px = pb + (size_t)x * 16;
-                if (!seen) { _mm512_store_ps(px, _mm512_setzero_ps()); continue; }
                 const __m512 sv = _mm512_mask_mov_ps(neg_inf, seen, sc[g]);
-                const float cm = _mm512_reduce_max_ps(sv);
-                const float mx = m[x] > cm ? m[x] : cm;
-                if (mx > m[x] && m[x] != -INFINITY) {
-                    const float corr = exp_nonpositive(m[x] - mx);
-                    l[x] *= corr;
-                    float *ax = acc + (size_t)x * D;
-                    const __m512 cv = _mm512_set1_ps(corr);
-                    for (int c = 0; c < DV; c++) _mm512_store_ps(ax + c * 16, _mm512_mul_ps(_mm512_load_ps(ax + c * 16), cv));
-                }
-                m[x] = mx;
-                const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
-                l[x] += _mm512_reduce_add_ps(e);
-                _mm512_store_ps(px, e);
+                _mm512_store_ps(pb + x * pst + (size_t)bi * 16, sv);
+                _mm512_store_ps(mv + (size_t)x * 16, _mm512_max_ps(_mm512_load_ps(mv + (size_t)x * 16), sv));
             }
         }
-        /* acc[x] += sum_j p[x][j] v[j], QGROUP queries at a time. */
+    }
+    for (int x = 0; x < nq; x++) {
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_load_ps(mv + (size_t)x * 16)));
+        __m512 sum = _mm512_setzero_ps();
+        float *px = pb + x * pst;
+        for (int bi = 0; bi < n_blocks; bi++) {
+            const __m512 sv = _mm512_load_ps(px + (size_t)bi * 16);
+            const __mmask16 seen = _mm512_cmp_ps_mask(sv, neg_inf, _CMP_NEQ_OQ);
+            const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(sv, mx)));
+            sum = _mm512_add_ps(sum, e);
+            _mm512_store_ps(px + (size_t)bi * 16, e);
+        }
+        l[x] = _mm512_reduce_add_ps(sum);
+    }
+    for (int bi = 0; bi < n_blocks; bi++) {
+        const int b0 = (b_first + bi) * 16, blk = table[b0 / 16];
+        const int j0 = b0 > lo ? b0 : lo, j1 = b0 + 15 < hi ? b0 + 15 : hi, n = j1 - j0 + 1;
+        const size_t row0 = (size_t)blk * 16 + (j0 - b0);
+        if (b0 + 16 * PREFETCH_BLOCKS <= hi) {
+            const size_t next = (size_t)table[b0 / 16 + PREFETCH_BLOCKS] * 16;
+            for (int j = 0; j < 16; j++) {
+                const size_t at = ((next + j) * stride + (size_t)kvh * D) * elt;
+                for (size_t off = 0; off < (size_t)D * elt; off += 64) _mm_prefetch((const char *)J->v + at + off, _MM_HINT_T0);
+            }
+        }
+        float vsc[16];
+        for (int j = 0; j < n; j++)
+            vsc[j] = KV == LM_KV_Q8 ? lm_half_to_float(J->v_scales[(row0 + j) * J->n_kv + kvh]) : 1.0f;
         for (int x0 = 0; x0 < nq; x0 += QGROUP) {
             const int G = nq - x0 < QGROUP ? nq - x0 : QGROUP;
-            BY_GROUP(G, block_pv(acc + (size_t)x0 * D, pb + (size_t)x0 * 16, vb, n, D, G_))
+            BY_GROUP(G, block_pv(acc + (size_t)x0 * D, pb + x0 * pst + (size_t)bi * 16, pst, J->v, KV,
+                                 row0 * stride + (size_t)kvh * D, stride, vsc, n, D, G_))
         }
     }
     for (int i = 0; i < r1 - r0; i++)
@@ -427,9 +452,18 @@ AVX512 static inline __attribute__((always_inline)) void item_avx512(const job_t
         }
 }
 
-AVX512 static void item_avx512_d64(const job_t *J, const int32_t *it, float *sc) { item_avx512(J, it, sc, 64); }
-AVX512 static void item_avx512_d128(const job_t *J, const int32_t *it, float *sc) { item_avx512(J, it, sc, 128); }
-AVX512 static void item_avx512_any(const job_t *J, const int32_t *it, float *sc) { item_avx512(J, it, sc, J->head_dim); }
+/* Copies for the common head sizes and each pool type, so that the inner loops know both. */
+#define ITEM_COPIES(D_, NAME)                                                                               \
+    AVX512 static void NAME(const job_t *J, const int32_t *it, float *sc) {                                   \
+        switch (J->kv_type) {                                                                             \
+        case LM_KV_F16: item_avx512(J, it, sc, D_, LM_KV_F16); return;                                    \
+        case LM_KV_Q8: item_avx512(J, it, sc, D_, LM_KV_Q8); return;                                      \
+        default: item_avx512(J, it, sc, D_, LM_KV_F32); return;                                           \
+        }                                                                                                 \
+    }
+ITEM_COPIES(64, item_avx512_d64)
+ITEM_COPIES(128, item_avx512_d128)
+ITEM_COPIES(J->head_dim, item_avx512_any)
 #endif
 
 #ifdef LM_HAVE_AVX512_ATTN
@@ -457,8 +491,10 @@ static void run_item(const job_t *J, const int32_t *item, float *scratch) {
 static size_t scratch_floats(const job_t *J) {
     const int group = J->n_head / J->n_kv, per = (group + J->head_chunks - 1) / J->head_chunks;
     const size_t nq = (size_t)TILE_ROWS * per;
-    /* the AVX-512 copy also keeps 16 probabilities per query, and aligns its parts to 64 bytes */
-    return 2 * nq * J->head_dim + 19 * nq + 2 * (size_t)J->block_size * J->head_dim + J->block_size + 32;
+    /* the AVX-512 copy also keeps each query's lane maxima and its scores of every block it
+     * visits, and aligns its parts to 64 bytes */
+    return 2 * nq * J->head_dim + 19 * nq + 2 * (size_t)J->block_size * J->head_dim + J->block_size + 32 +
+           32 * (size_t)J->head_dim + 16 * nq + 16 + nq * (size_t)J->max_blocks * 16;
 }
 
 static void attend_part(void *arg, int part, int parts) {
@@ -496,13 +532,14 @@ int lm_paged_attention(const float *q, float *out, const void *k, const void *v,
     }
 #endif
     job_t J = {q, out, k, v, k_scales, v_scales, kv_type, q_start, q_len, ctx_len, tables, table_start,
-               block_size, n_head, n_kv, head_dim, n_swa, scale, 1, NULL, 0, 0, 0};
+               block_size, n_head, n_kv, head_dim, n_swa, scale, 1, NULL, 0, 0, 0, 0};
     const int group = n_head / n_kv;
     long tiles = 0;
     double work = 0;
     for (int s = 0; s < num_seqs; s++) {
         if (q_len[s] > ctx_len[s] || q_len[s] < 0) return LM_EINVAL;
         tiles += (q_len[s] + TILE_ROWS - 1) / TILE_ROWS;
+        if ((ctx_len[s] + 15) / 16 + 1 > J.max_blocks) J.max_blocks = (ctx_len[s] + 15) / 16 + 1;
         work += (double)q_len[s] * ctx_len[s] * n_head;
     }
     int threads = n_threads < 1 ? 1 : n_threads;
