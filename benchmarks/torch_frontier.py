@@ -1,5 +1,6 @@
 """The speed / fidelity frontier: decode tokens/s against mean KL for the torch runner's weight
-schemes and for llama.cpp on the same model re-quantized to Q4_0, Q4_1 and Q4_K_M.
+schemes and for llama.cpp on the same model re-quantized to Q4_0, Q4_1 and Q4_K_M (and the torch
+runner on the Q4_0 file too).
 
     python benchmarks/torch_frontier.py [--model qwen2.5-coder-0.5b] [--tokens 2048] [--threads 2]
 
@@ -66,12 +67,13 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="localllm-frontier-"))
     candidates = [("llama.cpp, file as shipped", "llamacpp", path, None)]
-    for kind in FTYPES:
-        candidates.append((f"llama.cpp, re-quantized {kind}", "llamacpp",
-                           requantize(path, tmp / f"{kind}.gguf", kind, args.threads), None))
+    files = {kind: requantize(path, tmp / f"{kind}.gguf", kind, args.threads) for kind in FTYPES}
+    for kind, file in files.items():
+        candidates.append((f"llama.cpp, re-quantized {kind}", "llamacpp", file, None))
     candidates += [("torch int4 + int8 rows (default)", "torch", path, "int4-int8-bf16"),
                    ("torch int4 for 4-5 bit, int8 for 6-8 bit", "torch", path, "int4-bf16"),
-                   ("torch gguf-blocks (the file's blocks, native kernel)", "torch", path, "gguf-blocks")]
+                   ("torch gguf-blocks (the file's blocks, native kernel)", "torch", path, "gguf-blocks"),
+                   ("torch gguf-blocks, re-quantized Q4_0", "torch", files["Q4_0"], "gguf-blocks")]
     results = []
     for label, runner, file, scheme in candidates:
         config = dataclasses.replace(base, model_path=file, runner=runner)

@@ -50,6 +50,7 @@ static inline float lm_half_to_float(uint16_t h) {
 #define LM_Q4_K 12
 #define LM_Q6_K 14
 #define LM_Q5_0P 106 /* Q5_0 repacked in pairs of blocks for AVX-512 (qmatmul.c); not a GGML type */
+#define LM_Q4_0P 102 /* Q4_0 likewise */
 
 typedef void (*lm_task_fn)(void *arg, int part, int parts);
 void lm_pool_run(lm_task_fn fn, void *arg, int parts);

@@ -37,6 +37,7 @@ int lm_block_bytes(int wtype) {
     case LM_Q5_0: return 22;
     case LM_Q8_0: return 34;
     case LM_Q5_0P: return 22; /* a pair of blocks in 44 bytes */
+    case LM_Q4_0P: return 18; /* a pair of blocks in 36 bytes */
     default: return 0;
     }
 }
@@ -158,68 +159,75 @@ VNNI512_TARGET static inline __m512 pair_scales(float a, float b) {
     return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
 }
 
-/* ---- Q5_0 repacked in pairs (LM_Q5_0P), for AVX-512 ------------------------------------
- * The same weights and scales as Q5_0, laid out so that two blocks unpack into one 512-bit
- * vector in a few instructions (Q5_0 itself takes about twenty, which made its matmul
- * compute-bound at 32 GB/s where Q8_0's reads memory at 60). A pair of blocks, 44 bytes:
+/* ---- Q4_0 and Q5_0 repacked in pairs (LM_Q4_0P, LM_Q5_0P), for AVX-512 -------------------
+ * The same weights and scales as Q4_0 / Q5_0, laid out so that two blocks unpack into one
+ * 512-bit vector in a few instructions (Q5_0 itself takes about twenty, which made its matmul
+ * compute-bound at 32 GB/s where Q8_0's reads memory at 60). A pair of blocks:
  *   bytes 0-3    the two blocks' float16 scales;
- *   bytes 4-11   64 high bits, bit i the high bit of lane i;
- *   bytes 12-43  32 bytes of nibbles: byte i's low nibble is lane i (block 0's weight i), its
- *                high nibble lane 32 + i (block 1's weight i).
- * Lane i holds u = nibble + 16 * high bit in 0..31 and the weight is u - 16, so a block's
- * products are sum(u * x) - 16 * sum(x): VNNI multiplies the unsigned u by the signed x and
- * adds to a start value, and the start value -16 * (x's sums per 4 lanes) is made once per
- * row of x. Each lane's integer sum is the one the sign trick gives, and the floating-point
- * steps are tile_vnni512's, so the results are the same bits as for Q5_0. */
+ *   Q5_0P only: 8 bytes of 64 high bits, bit i the high bit of lane i;
+ *   32 bytes of nibbles: byte i's low nibble is lane i (block 0's weight i), its high nibble
+ *                lane 32 + i (block 1's weight i).
+ * Lane i holds u = nibble (+ 16 * high bit) and the weight is u - 8 (Q4_0) or u - 16 (Q5_0),
+ * so a block's products are sum(u * x) - offset * sum(x): VNNI multiplies the unsigned u by the
+ * signed x and adds to a start value, and the start value -offset * (x's sums per 4 lanes) is
+ * made once per row of x. Each lane's integer sum is the one the sign trick gives, and the
+ * floating-point steps are tile_vnni512's, so the results are the same bits as for the file's
+ * blocks. */
 
-VNNI512_TARGET static inline __m512i q5p_unsigned(const uint8_t *pair) {
-    const __m256i nib = _mm256_loadu_si256((const __m256i *)(pair + 12));
+static inline int pair_bytes(int wtype) { return wtype == LM_Q5_0P ? 44 : 36; }
+static inline int pair_offset(int wtype) { return wtype == LM_Q5_0P ? 16 : 8; }
+
+VNNI512_TARGET static inline __m512i pair_unsigned(int wtype, const uint8_t *pair) {
+    const int hb_bytes = wtype == LM_Q5_0P ? 8 : 0;
+    const __m256i nib = _mm256_loadu_si256((const __m256i *)(pair + 4 + hb_bytes));
     const __m512i v = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(nib), _mm256_srli_epi16(nib, 4), 1),
                                        _mm512_set1_epi8(0x0f));
+    if (wtype != LM_Q5_0P) return v;
     uint64_t hb;
     memcpy(&hb, pair + 4, 8);
     return _mm512_mask_add_epi8(v, (__mmask64)hb, v, _mm512_set1_epi8(16));
 }
 
-VNNI512_TARGET static inline __m512 q5p_scales(const uint8_t *pair) {
+VNNI512_TARGET static inline __m512 pair_scales_w(const uint8_t *pair) {
     uint32_t d2;
     memcpy(&d2, pair, 4);
     const __m256i idx = _mm256_setr_epi16(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     return _mm512_cvtph_ps(_mm256_permutexvar_epi16(idx, _mm256_castsi128_si256(_mm_cvtsi32_si128((int)d2))));
 }
 
-/* A row of x made ready for Q5_0P pairs: its 64 bytes, -16 * its sums per 4 lanes, and the two
+/* A row of x made ready for pairs: its 64 bytes, -offset * its sums per 4 lanes, and the two
  * blocks' scales spread over their lanes. */
 typedef struct {
     __m512i x, corr;
     __m512 dx;
 } xpair_t;
 
-VNNI512_TARGET static void q5p_prepare(const qblock_t *xq, const float *xd, int M, int nb, xpair_t *out) {
+VNNI512_TARGET static void pairs_prepare(int wtype, const qblock_t *xq, const float *xd, int M, int nb,
+                                         xpair_t *out) {
     const int pairs = nb / 2;
+    const __m512i offset = _mm512_set1_epi8((char)pair_offset(wtype));
     for (int m = 0; m < M; m++)
         for (int p = 0; p < pairs; p++) {
             xpair_t *o = out + (size_t)m * pairs + p;
             o->x = _mm512_loadu_si512((const void *)xq[(size_t)m * nb + 2 * p].q);
-            /* 16 * (x's sums per 4 lanes), negated: unsigned 16s by the signed x */
-            o->corr = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                       _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(16), o->x));
+            /* offset * (x's sums per 4 lanes), negated: unsigned offsets by the signed x */
+            o->corr = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, o->x));
             o->dx = pair_scales(xd[(size_t)m * nb + 2 * p], xd[(size_t)m * nb + 2 * p + 1]);
         }
 }
 
-/* Rows n0..n1 of a Q5_0P matrix against M <= TILE_X prepared rows of x. */
-VNNI512_TARGET static void rows_q5p_direct(const uint8_t *w, size_t row_bytes, int n0, int n1, int nb,
-                                           const xpair_t *xp, int M, float *y, int N) {
-    const int pairs = nb / 2;
+/* Rows n0..n1 of a matrix in pairs against M <= TILE_X prepared rows of x. */
+VNNI512_TARGET static inline __attribute__((always_inline)) void pairs_direct(
+    int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb, const xpair_t *xp, int M, float *y, int N) {
+    const int pairs = nb / 2, pb = pair_bytes(wtype);
     for (int n = n0; n < n1; n++) {
         const uint8_t *row = w + (size_t)n * row_bytes;
         __m512 acc[TILE_X];
         for (int i = 0; i < TILE_X; i++) acc[i] = _mm512_setzero_ps();
         for (int p = 0; p < pairs; p++) {
-            const uint8_t *pair = row + (size_t)p * 44;
-            const __m512i u = q5p_unsigned(pair);
-            const __m512 dw = q5p_scales(pair);
+            const uint8_t *pair = row + (size_t)p * pb;
+            const __m512i u = pair_unsigned(wtype, pair);
+            const __m512 dw = pair_scales_w(pair);
             for (int i = 0; i < M; i++) {
                 const xpair_t *x = xp + (size_t)i * pairs + p;
                 const __m512i s32 = _mm512_dpbusd_epi32(x->corr, u, x->x);
@@ -228,6 +236,12 @@ VNNI512_TARGET static void rows_q5p_direct(const uint8_t *w, size_t row_bytes, i
         }
         for (int i = 0; i < M; i++) y[(size_t)i * N + n] = _mm512_reduce_add_ps(acc[i]);
     }
+}
+
+VNNI512_TARGET static void rows_pairs_direct(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb,
+                                             const xpair_t *xp, int M, float *y, int N) {
+    if (wtype == LM_Q5_0P) pairs_direct(LM_Q5_0P, w, row_bytes, n0, n1, nb, xp, M, y, N);
+    else pairs_direct(LM_Q4_0P, w, row_bytes, n0, n1, nb, xp, M, y, N);
 }
 
 /* A tile's weight rows unpacked, pair of blocks by pair: |w| as unsigned bytes, w's signs, and
@@ -244,11 +258,11 @@ VNNI512_TARGET static void unpack_tile(int wtype, const uint8_t *const *rows, in
         for (int p = 0; p < pairs; p++) {
             const uint8_t *b0 = rows[r] + (size_t)2 * p * bb;
             wpair_t *o = out + (size_t)p * TILE_W + r;
-            if (wtype == LM_Q5_0P) {
-                const __m512i w = _mm512_sub_epi8(q5p_unsigned(b0), _mm512_set1_epi8(16));
+            if (wtype == LM_Q5_0P || wtype == LM_Q4_0P) {
+                const __m512i w = _mm512_sub_epi8(pair_unsigned(wtype, b0), _mm512_set1_epi8((char)pair_offset(wtype)));
                 o->aw = _mm512_abs_epi8(w);
                 o->neg = _mm512_movepi8_mask(w);
-                o->dw = q5p_scales(b0);
+                o->dw = pair_scales_w(b0);
                 continue;
             }
             const int two = 2 * p + 1 < nb;
@@ -622,7 +636,7 @@ typedef struct {
     int N, nb, M;
     const qblock_t *xq;
     const float *xd;
-    const void *xp; /* Q5_0P with M <= TILE_X: the prepared rows of x (xpair_t) */
+    const void *xp; /* pairs (Q4_0P, Q5_0P) with M <= TILE_X: the prepared rows of x (xpair_t) */
     float *y;
     volatile int failed; /* a part could not have its scratch */
 } mm_job_t;
@@ -636,11 +650,11 @@ static void mm_part(void *p, int part, int parts) {
 #ifdef LM_X86
     if (J->level == 3) {
         if (J->xp != NULL) {
-            rows_q5p_direct(J->w, J->row_bytes, n0, n1, J->nb, (const xpair_t *)J->xp, J->M, J->y, J->N);
+            rows_pairs_direct(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, (const xpair_t *)J->xp, J->M, J->y, J->N);
             return;
         }
         if (rows_vnni512(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N) == 0) return;
-        if (J->wtype == LM_Q5_0P) { /* only the tiles read it */
+        if (J->wtype == LM_Q5_0P || J->wtype == LM_Q4_0P) { /* only the tiles read pairs */
             J->failed = 1;
             return;
         }
@@ -717,15 +731,16 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
     const int bb = lm_block_bytes(wtype);
     if (bb == 0 || K % QK != 0 || M < 0 || N < 0) return LM_EINVAL;
     const int level = force_scalar ? 0 : lm_cpu_level();
-    /* Q5_0P: pairs of blocks, read by the AVX-512 VNNI loops alone (lm_repack makes it there) */
-    if (wtype == LM_Q5_0P && (level != 3 || K % (2 * QK) != 0)) return LM_EINVAL;
+    /* pairs of blocks, read by the AVX-512 VNNI loops alone (lm_repack makes them there) */
+    const int in_pairs = wtype == LM_Q5_0P || wtype == LM_Q4_0P;
+    if (in_pairs && (level != 3 || K % (2 * QK) != 0)) return LM_EINVAL;
     const int nb = K / QK;
     qblock_t *xq = malloc(sizeof(qblock_t) * (size_t)M * nb + 1);
     float *xd = malloc(sizeof(float) * (size_t)M * nb + 1);
     void *xp = NULL;
     int xp_needed = 0;
 #ifdef LM_X86
-    xp_needed = wtype == LM_Q5_0P && M <= TILE_X;
+    xp_needed = in_pairs && M <= TILE_X;
     if (xp_needed) xp = aligned_alloc(64, sizeof(xpair_t) * ((size_t)M * nb / 2 + 1));
 #endif
     if (xq == NULL || xd == NULL || (xp_needed && xp == NULL)) {
@@ -736,7 +751,7 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
     }
     for (int m = 0; m < M; m++) quantize_row(x + (size_t)m * K, nb, xq + (size_t)m * nb, xd + (size_t)m * nb);
 #ifdef LM_X86
-    if (xp != NULL) q5p_prepare(xq, xd, M, nb, (xpair_t *)xp);
+    if (xp != NULL) pairs_prepare(wtype, xq, xd, M, nb, (xpair_t *)xp);
 #endif
     mm_job_t J = {level, wtype, w, (size_t)nb * bb, N, nb, M, xq, xd, xp, y, 0};
     int parts = n_threads < 1 ? 1 : n_threads;
@@ -748,45 +763,50 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
     return J.failed ? LM_ENOMEM : LM_OK;
 }
 
-/* Q5_0 rows (K a multiple of 64) to Q5_0P (see above), or back with reverse: the same bytes
- * rearranged, so a file's blocks can be kept either way. */
+/* Q4_0 / Q5_0 rows (K a multiple of 64) in pairs (Q4_0P / Q5_0P, see above), or back with
+ * reverse: the same bytes rearranged, so a file's blocks can be kept either way. */
 int lm_repack(const uint8_t *w, int wtype, int N, int K, uint8_t *out, int reverse) {
-    if (wtype != LM_Q5_0 || K % (2 * QK) != 0 || N < 0) return LM_EINVAL;
+    if ((wtype != LM_Q5_0 && wtype != LM_Q4_0) || K % (2 * QK) != 0 || N < 0) return LM_EINVAL;
+    const int five = wtype == LM_Q5_0, bb = five ? 22 : 18, qs_at = five ? 6 : 2, nib_at = five ? 12 : 4;
     const size_t pairs = (size_t)N * (K / (2 * QK));
     for (size_t p = 0; p < pairs; p++) {
-        const uint8_t *in = w + p * 44;
-        uint8_t *o = out + p * 44;
+        const uint8_t *in = w + p * 2 * bb;
+        uint8_t *o = out + p * 2 * bb;
         if (!reverse) {
-            const uint8_t *b[2] = {in, in + 22};
-            uint64_t hb = 0;
-            for (int k = 0; k < 2; k++) {
-                uint32_t qh;
-                memcpy(&qh, b[k] + 2, 4);
-                hb |= (uint64_t)qh << (32 * k); /* Q5_0's bit j is weight j's high bit */
-            }
+            const uint8_t *b[2] = {in, in + bb};
             memcpy(o, b[0], 2);
             memcpy(o + 2, b[1], 2);
-            memcpy(o + 4, &hb, 8);
-            for (int i = 0; i < 32; i++) { /* weight i of a Q5_0 block: byte i % 16, nibble i / 16 */
-                const uint8_t n0 = (b[0][6 + i % 16] >> (4 * (i / 16))) & 0x0f;
-                const uint8_t n1 = (b[1][6 + i % 16] >> (4 * (i / 16))) & 0x0f;
-                o[12 + i] = (uint8_t)(n0 | (n1 << 4));
+            if (five) {
+                uint64_t hb = 0;
+                for (int k = 0; k < 2; k++) {
+                    uint32_t qh;
+                    memcpy(&qh, b[k] + 2, 4);
+                    hb |= (uint64_t)qh << (32 * k); /* Q5_0's bit j is weight j's high bit */
+                }
+                memcpy(o + 4, &hb, 8);
+            }
+            for (int i = 0; i < 32; i++) { /* weight i of a block: byte i % 16, nibble i / 16 */
+                const uint8_t n0 = (b[0][qs_at + i % 16] >> (4 * (i / 16))) & 0x0f;
+                const uint8_t n1 = (b[1][qs_at + i % 16] >> (4 * (i / 16))) & 0x0f;
+                o[nib_at + i] = (uint8_t)(n0 | (n1 << 4));
             }
         } else {
-            uint8_t *b[2] = {o, o + 22};
-            uint64_t hb;
-            memcpy(&hb, in + 4, 8);
+            uint8_t *b[2] = {o, o + bb};
             memcpy(b[0], in, 2);
             memcpy(b[1], in + 2, 2);
             for (int k = 0; k < 2; k++) {
-                const uint32_t qh = (uint32_t)(hb >> (32 * k));
-                memcpy(b[k] + 2, &qh, 4);
-                memset(b[k] + 6, 0, 16);
+                if (five) {
+                    uint64_t hb;
+                    memcpy(&hb, in + 4, 8);
+                    const uint32_t qh = (uint32_t)(hb >> (32 * k));
+                    memcpy(b[k] + 2, &qh, 4);
+                }
+                memset(b[k] + qs_at, 0, 16);
             }
             for (int i = 0; i < 32; i++)
                 for (int k = 0; k < 2; k++) {
-                    const uint8_t nib = (in[12 + i] >> (4 * k)) & 0x0f;
-                    b[k][6 + i % 16] |= (uint8_t)(nib << (4 * (i / 16)));
+                    const uint8_t nib = (in[nib_at + i] >> (4 * k)) & 0x0f;
+                    b[k][qs_at + i % 16] |= (uint8_t)(nib << (4 * (i / 16)));
                 }
         }
     }

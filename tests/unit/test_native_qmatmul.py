@@ -125,19 +125,20 @@ def test_k_quants_are_the_product_of_q8k_activations_and_the_files_weights(kind,
 
 
 @wide
-def test_q5_0_in_pairs_gives_the_same_bits_and_packs_back():
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0"])
+def test_blocks_in_pairs_give_the_same_bits_and_pack_back(kind):
     rng = np.random.default_rng(5)
     w = rng.standard_normal((90, 384)).astype(np.float32)
-    blocks = blocks_of(w, "Q5_0")
-    pairs = native.repack(blocks, "Q5_0")
-    assert torch.equal(native.repack(pairs, "Q5_0", reverse=True), blocks)
+    blocks = blocks_of(w, kind)
+    pairs = native.repack(blocks, kind)
+    assert not torch.equal(pairs, blocks) and torch.equal(native.repack(pairs, kind, reverse=True), blocks)
     for m in (1, 2, 4, 5, 12):
         x = torch.from_numpy(rng.standard_normal((m, 384)).astype(np.float32))
         for threads in (1, 2):
-            assert torch.equal(native.qmatmul(x, pairs, "Q5_0P", n_threads=threads),
-                               native.qmatmul(x, blocks, "Q5_0", n_threads=threads))
-    layer = BlockLinear(blocks, "Q5_0")
-    assert layer.kind == "Q5_0P" and torch.equal(layer.tensors()["blocks"], blocks)
+            assert torch.equal(native.qmatmul(x, pairs, kind + "P", n_threads=threads),
+                               native.qmatmul(x, blocks, kind, n_threads=threads))
+    layer = BlockLinear(blocks, kind)
+    assert layer.kind == kind + "P" and torch.equal(layer.tensors()["blocks"], blocks)
 
 
 @wide

@@ -20,14 +20,14 @@ KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
 REBUILD = "rebuild localllm's native kernels with `pip install -e .` (a C compiler is needed)"
 # GGUF block formats the native matmul reads in place (GGML's type numbers).
 BLOCK_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8}
-BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q5_0P": 22}
+BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q4_0P": 18, "Q5_0P": 22}
 # K-quant super-blocks (256 weights) the matmul reads in place where ``wide_kernels()``.
 K_TYPES = {"Q4_K": 12, "Q6_K": 14}
 SUPER_BYTES = {"Q4_K": 144, "Q6_K": 210}
-# Layouts of our own the matmul also reads: "Q5_0P" is Q5_0 with each pair of blocks
+# Layouts of our own the matmul also reads: "Q4_0P" / "Q5_0P" are Q4_0 / Q5_0 with each pair of blocks
 # rearranged for AVX-512 (native/qmatmul.c; ``repack`` makes it where ``wide_kernels()``).
-PACKED_TYPES = {"Q5_0P": 106}
-PACKED_FROM = {"Q5_0": "Q5_0P"}
+PACKED_TYPES = {"Q4_0P": 102, "Q5_0P": 106}
+PACKED_FROM = {"Q4_0": "Q4_0P", "Q5_0": "Q5_0P"}
 _ERRORS = {1: "invalid arguments", 2: "out of memory"}
 
 
@@ -183,9 +183,9 @@ def wide_kernels() -> bool:
 
 
 def repack(blocks: torch.Tensor, kind: str, reverse: bool = False) -> torch.Tensor:
-    """A Q5_0 matrix's blocks (N, K / 32 * 22), K a multiple of 64, in the "Q5_0P" layout the
-    AVX-512 matmul unpacks fastest (the same bytes rearranged: the same products, bit for
-    bit), or back with ``reverse``."""
+    """A Q4_0 or Q5_0 matrix's blocks (N, K / 32 * block bytes), K a multiple of 64, in the
+    "Q4_0P" / "Q5_0P" layout the AVX-512 matmul unpacks fastest (the same bytes rearranged: the
+    same products, bit for bit), or back with ``reverse``."""
     out = torch.empty_like(blocks)
     n, row = blocks.shape
     rc = _required().lm_repack(blocks.contiguous().data_ptr(), BLOCK_TYPES[kind], n, row * 32 // BLOCK_BYTES[kind],

@@ -156,9 +156,9 @@ class BlockLinear:
     to 8-bit blocks (Q8_K super-blocks for the K-quants), integer sums per block, as llama.cpp
     computes it. Takes and returns float32.
 
-    Where the CPU has AVX-512 VNNI, Q5_0 blocks are kept rearranged in pairs ("Q5_0P", which
-    that kernel unpacks in a third of the instructions: the same products, bit for bit);
-    ``tensors()`` gives them back as the file's Q5_0."""
+    Where the CPU has AVX-512 VNNI, Q4_0 / Q5_0 blocks are kept rearranged in pairs ("Q4_0P" /
+    "Q5_0P", which that kernel unpacks in a fraction of the instructions: the same products,
+    bit for bit); ``tensors()`` gives them back as the file's blocks."""
 
     def __init__(self, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None = None):
         from localllm.runners.torch import native
