@@ -46,11 +46,12 @@ class RequestOutput:
 
 
 def load_runner(config: EngineConfig) -> ModelRunner:
-    """The runner ``config.runner`` names. "auto" is the llama.cpp runner on every device:
-    for one stream, the common case, the torch runner measured 0.85x llama.cpp on a 2-core CPU
-    (1.68x at eight streams) and is bound by kernel launches on CUDA (docs/benchmarks.md);
-    "torch" is for many concurrent streams. "torch" on an architecture it has no model for
-    falls back to llama.cpp with one info line."""
+    """The runner ``config.runner`` names. "auto" is the llama.cpp runner on every device. On
+    the one CPU it has been measured on (2-core AMD EPYC with AVX-512 VNNI) the torch runner
+    leads (1.24x one stream, 2.04x eight, at llama.cpp's fidelity; docs/benchmarks.md), but
+    that lead rests on kernels only such CPUs run, and on CUDA it is bound by kernel launches;
+    auto moves when it holds on a second machine. "torch" on an architecture it has no model
+    for falls back to llama.cpp with one info line."""
     if config.runner == "torch":
         try:
             from localllm.runners.torch import models

@@ -155,24 +155,39 @@ def row_bytes(kind: str, k: int) -> int | None:
     return k // 32 * BLOCK_BYTES[kind] if k % 32 == 0 else None
 
 
+class QMatmul:
+    """native/qmatmul.c over one weight matrix W (N, K) given as its GGUF blocks (``blocks``:
+    uint8 (N, row_bytes(kind, K)), ``kind`` one of BLOCK_TYPES, K_TYPES or PACKED_TYPES),
+    checked once: called with x (M, K) it gives x W^T (M, N) float32, computed as llama.cpp
+    does (x quantized to 8-bit blocks, integer block sums). A decode step makes about a hundred
+    of these calls, so each does no more than it must."""
+
+    def __init__(self, blocks: torch.Tensor, kind: str, k: int):
+        n = blocks.shape[0]
+        if not blocks.is_contiguous() or blocks.dim() != 2 or blocks.shape[1] != row_bytes(kind, k):
+            raise ValueError(f"{kind} blocks of shape {tuple(blocks.shape)} do not hold a ({n}, {k}) matrix")
+        self.blocks, self.n, self.k = blocks, n, k  # (holding blocks keeps the pointer valid)
+        self.code = BLOCK_TYPES.get(kind) or K_TYPES.get(kind) or PACKED_TYPES[kind]
+        self.fn, self.w = _required().lm_qmatmul, blocks.data_ptr()
+
+    def __call__(self, x: torch.Tensor, n_threads: int | None = None, force_scalar: bool = False) -> torch.Tensor:
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        if x.dim() != 2 or x.shape[1] != self.k:
+            raise ValueError(f"x of shape {tuple(x.shape)} does not multiply a ({self.n}, {self.k}) matrix")
+        y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+        rc = self.fn(x.data_ptr(), x.shape[0], self.k, self.w, self.code, self.n, y.data_ptr(),
+                     n_threads if n_threads is not None else torch.get_num_threads(), int(force_scalar))
+        if rc:
+            raise RuntimeError(f"native qmatmul failed: {_ERRORS.get(rc, rc)}")
+        return y
+
+
 def qmatmul(x: torch.Tensor, blocks: torch.Tensor, kind: str, n_threads: int | None = None,
             force_scalar: bool = False) -> torch.Tensor:
-    """native/qmatmul.c: x (M, K) float32 times W^T, W (N, K) given as its GGUF blocks
-    (``blocks``: uint8 (N, K / 32 * block bytes), ``kind`` one of BLOCK_TYPES) -> (M, N) float32,
-    computed as llama.cpp does (x quantized to 8-bit blocks, integer block sums).
+    """x (M, K) float32 times W^T, W (N, K) given as its blocks (see QMatmul) -> (M, N) float32.
     force_scalar: the portable C loop instead of the vector one (the tests compare them)."""
-    x = x.float().contiguous()
-    m, k = x.shape
-    n = blocks.shape[0]
-    if not blocks.is_contiguous() or blocks.shape[1] != row_bytes(kind, k):
-        raise ValueError(f"{kind} blocks of shape {tuple(blocks.shape)} do not hold a ({n}, {k}) matrix")
-    y = torch.empty(m, n, dtype=torch.float32)
-    code = BLOCK_TYPES.get(kind) or K_TYPES.get(kind) or PACKED_TYPES[kind]
-    rc = _required().lm_qmatmul(x.data_ptr(), m, k, blocks.data_ptr(), code, n, y.data_ptr(),
-                              n_threads if n_threads is not None else torch.get_num_threads(), int(force_scalar))
-    if rc:
-        raise RuntimeError(f"native qmatmul failed: {_ERRORS.get(rc, rc)}")
-    return y
+    return QMatmul(blocks, kind, x.shape[-1])(x, n_threads, force_scalar)
 
 
 def wide_kernels() -> bool:

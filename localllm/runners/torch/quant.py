@@ -173,6 +173,7 @@ class BlockLinear:
         self.blocks = blocks.contiguous()  # (out, in / 32 * block bytes) uint8
         self.kind = kind
         self.bias = bias.float() if bias is not None else None
+        self.matmul = native.QMatmul(self.blocks, kind, self.in_features)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         from localllm.runners.torch import native
@@ -193,7 +194,5 @@ class BlockLinear:
         return cls(blocks, names[int(kind[0])], bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from localllm.runners.torch import native
-
-        y = native.qmatmul(x.reshape(-1, self.in_features), self.blocks, self.kind)
-        return y if self.bias is None else y + self.bias
+        y = self.matmul(x.reshape(-1, self.in_features))
+        return y if self.bias is None else y.add_(self.bias)  # y is the matmul's own new tensor
