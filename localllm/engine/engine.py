@@ -48,7 +48,7 @@ class RequestOutput:
 def load_runner(config: EngineConfig) -> ModelRunner:
     """The runner ``config.runner`` names. "auto" is the llama.cpp runner on every device. On
     the one CPU it has been measured on (2-core AMD EPYC with AVX-512 VNNI) the torch runner
-    leads (1.24x one stream, 2.04x eight, at llama.cpp's fidelity; docs/benchmarks.md), but
+    leads (1.23x one stream, 1.91x eight, at llama.cpp's fidelity; docs/benchmarks.md), but
     that lead rests on kernels only such CPUs run, and on CUDA it is bound by kernel launches;
     auto moves when it holds on a second machine. "torch" on an architecture it has no model
     for falls back to llama.cpp with one info line."""
