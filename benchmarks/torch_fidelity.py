@@ -20,7 +20,7 @@ from pathlib import Path
 from _common import machine, model_path
 
 from localllm.config import CacheConfig, EngineConfig, SchedulerConfig
-from localllm.evaluation import CHUNK, compare
+from localllm.evaluation import CHUNK, Tally, all_logits, compare
 
 
 def main() -> None:
@@ -28,9 +28,11 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--against", choices=("torch", "llamacpp-f16"), default="torch",
+    parser.add_argument("--against", choices=("torch", "llamacpp-f16", "llamacpp-decode"), default="torch",
                         help="llamacpp-f16: llama.cpp itself with its default float16 KV cache and flash "
-                             "attention, to see how far llama.cpp's own settings move it")
+                             "attention, to see how far llama.cpp's own settings move it; llamacpp-decode: "
+                             "llama.cpp with the reference's very settings, one position at a time (as it "
+                             "decodes) instead of chunks of 256, to see how far its batch size moves it")
     parser.add_argument("--scheme", default=None, help="the torch runner's weight scheme (quant.SCHEMES)")
     args = parser.parse_args()
     path = model_path(args.model)
@@ -48,20 +50,37 @@ def main() -> None:
     t = time.perf_counter()
     if args.against == "torch":
         torch_runner = TorchRunner(config, scheme=args.scheme)
-    else:
+    elif args.against == "llamacpp-f16":
         import dataclasses
 
         torch_runner = LlamaCppRunner(dataclasses.replace(
             config, cache=dataclasses.replace(config.cache, kv_dtype="f16")))
+    else:
+        torch_runner = LlamaCppRunner(config)
     t_torch = time.perf_counter() - t
     print(f"{machine()}, {args.threads} threads, {path.name}, {len(text) - 1} positions of README.md; "
           f"load: llama.cpp {t_ref:.1f} s, {args.against} {t_torch:.1f} s")
-    tally = compare(ref, torch_runner, text)
+    if args.against == "llamacpp-decode":
+        tally = compare_decoded(ref, torch_runner, text)
+    else:
+        tally = compare(ref, torch_runner, text)
     print(f"top-1 agreement {tally.num_agreeing / tally.num_predictions:.4f} ({tally.num_agreeing} of "
           f"{tally.num_predictions}), mean KL(llama.cpp || {args.against}) {tally.mean_kl:.5f}, perplexity "
           f"llama.cpp {tally.perplexity_reference:.3f}, {args.against} {tally.perplexity_candidate:.3f}")
     ref.close()
     torch_runner.close()
+
+
+def compare_decoded(reference, candidate, text: list[int]) -> Tally:
+    """The reference in chunks of CHUNK positions against the candidate one position at a time."""
+    import numpy as np
+
+    rows = np.concatenate([r.copy() for _, r in all_logits(candidate, text, chunk=1)])
+    targets = np.asarray(text, dtype=np.intp)
+    tally = Tally()
+    for first, a in all_logits(reference, text):
+        tally.add(a, rows[first:first + len(a)], targets[first + 1:first + 1 + len(a)])
+    return tally
 
 
 if __name__ == "__main__":

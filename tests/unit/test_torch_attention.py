@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -104,6 +105,25 @@ def test_norm_rope_on_pairs_is_neox_rope_on_permuted_dims():
     neox = Rope(hd, 10000.0, neox=True, device="cpu")(x[..., perm], pos)
     torch.testing.assert_close(norm[..., perm], neox)
     torch.testing.assert_close(Rope(hd, 10000.0, True, "cpu")(x, torch.zeros(5, dtype=torch.long)), x)
+
+
+def test_rope_angles_are_llama_cpps_float32_products():
+    """llama.cpp's angle of pair i at position p is p * s * s * ... (i times), each product
+    rounded to float32, s = powf(base, -2 / head_dim); at position 3,000 the first pairs' angles
+    differ from the exact p * base^(-2i/d) by about 1e-4 rad, which the tables keep."""
+    hd, base = 64, 1e6
+    rope = Rope(hd, base, neox=True, device="cpu")
+    pos = torch.tensor([0, 1, 300, 3000])  # 3000: past the first tables, so they grow
+    c, s = rope.tables(pos)
+    scale = np.float32(np.power(np.float32(base), np.float32(-2.0 / hd), dtype=np.float32))
+    for row, p in enumerate(pos.tolist()):
+        theta = np.float32(p)
+        for i in range(hd // 2):
+            assert c[row, 0, i].item() == np.float32(np.cos(np.float64(theta))), (p, i)
+            assert s[row, 0, hd // 2 + i].item() == np.float32(np.sin(np.float64(theta))), (p, i)
+            theta = np.float32(theta * scale)
+    exact = 3000 * base ** (-2 * 2 / hd)
+    assert abs(float(np.float32(3000) * scale * scale) - exact) > 1e-5  # the float32 products drift
 
 
 def filled_pool(table, num_tokens, n_layer=2, n_kv=2, hd=4, dtype=torch.float16):

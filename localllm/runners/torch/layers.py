@@ -30,16 +30,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Rope:
-    """Rotary position embeddings for heads of ``head_dim``, computed per step from positions.
+    """Rotary position embeddings for heads of ``head_dim``, with llama.cpp's angles.
 
-    A step's positions are the same tensor for every layer, so their cos / sin tables are made
-    once per step (for the last positions tensor seen) rather than twice per layer."""
+    llama.cpp computes a position's angles in float32, each pair's from the one before:
+    theta_0 = p, theta_i = theta_(i-1) * s with s = powf(base, -2 / head_dim), each product
+    rounded to float32, and takes cosf / sinf of them. At position 2,000 a float32 angle is
+    already 1e-4 rad off the exact one, so exact angles would differ from llama.cpp's by that
+    much; these tables reproduce its angles bit for bit (cos and sin rounded from float64). They
+    are made once for positions 0.. as far as a step has asked (doubling), and a step's rows are
+    gathered once per positions tensor rather than twice per layer."""
 
     def __init__(self, head_dim: int, base: float, neox: bool, device):
-        self.neox = neox
-        self.inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+        self.neox, self.head_dim, self.device = neox, head_dim, device
+        self.scale = np.power(np.float32(base), np.float32(-2.0) / np.float32(head_dim), dtype=np.float32)
+        self._c = self._s = torch.empty(0, head_dim)  # (positions, hd): C and S per position
         self._positions: torch.Tensor | None = None
         self._tables: tuple[torch.Tensor, torch.Tensor] = ()
+
+    def _grow(self, n: int) -> None:
+        n = max(n, 2 * self._c.shape[0], 256)
+        theta = np.empty((n, self.head_dim // 2), dtype=np.float32)
+        theta[:, 0] = np.arange(n, dtype=np.float32)
+        for i in range(1, self.head_dim // 2):
+            theta[:, i] = theta[:, i - 1] * self.scale  # float32 products, one at a time, as llama.cpp
+        cos = torch.from_numpy(np.cos(theta.astype(np.float64)).astype(np.float32))
+        sin = torch.from_numpy(np.sin(theta.astype(np.float64)).astype(np.float32))
+        if self.neox:
+            c, s = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+        else:
+            c, s = torch.stack([cos, cos], -1).flatten(-2), torch.stack([-sin, sin], -1).flatten(-2)
+        self._c, self._s = c.to(self.device), s.to(self.device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(N, 1, hd) float32 C and S with rope(x) = x * C + partner(x) * S, where partner(x)
@@ -47,13 +67,11 @@ class Rope:
         first and sin on the second, so each output is x_i cos - x_j sin or x_j cos + x_i sin,
         bit for bit as written out."""
         if positions is not self._positions:
-            angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # (N, hd/2)
-            cos, sin = angles.cos().to(torch.float32), angles.sin().to(torch.float32)
-            if self.neox:
-                c, s = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
-            else:
-                c, s = torch.stack([cos, cos], -1).flatten(-2), torch.stack([-sin, sin], -1).flatten(-2)
-            self._positions, self._tables = positions, (c[:, None, :], s[:, None, :])
+            top = int(positions.max()) + 1 if positions.numel() else 0
+            if top > self._c.shape[0]:
+                self._grow(top)
+            self._positions = positions
+            self._tables = (self._c[positions][:, None, :], self._s[positions][:, None, :])
         return self._tables
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
