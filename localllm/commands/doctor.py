@@ -47,6 +47,18 @@ def _probe(fn, *args):
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def _native_report() -> dict:
+    """Whether the torch runner can call its native kernels, and which block formats they read
+    in place here (imports torch: only here)."""
+    from localllm.runners.torch import native
+
+    return {"usable": native.available(), "why_not": native.why_unavailable(), "wide": native.wide_kernels()}
+
+
+NATIVE_WIDE = "built; Q4_0, Q5_0, Q8_0, Q4_K, Q6_K read in place (AVX-512 VNNI)"
+NATIVE_NARROW = "built; Q4_0, Q5_0, Q8_0 read in place (Q4_K, Q6_K converted: the CPU has no AVX-512 VNNI)"
+
+
 def _llama_report() -> dict:
     from localllm.runners.llamacpp import backend_report  # imports llama_cpp: only here
 
@@ -72,6 +84,7 @@ def collect() -> dict:
         },
         # The torch runner's C kernels (native/), built by the package build with a compiler.
         "native_kernels": importlib.util.find_spec("localllm._native") is not None,
+        "native_kernel_use": _probe(_native_report),
         "llama_cpp": _probe(_llama_report),
         "defaults": {"max_num_seqs": DEFAULT_SEQS, "headroom_base": kv_memory.HEADROOM_BASE,
                      "headroom_share": kv_memory.HEADROOM_SHARE},
@@ -240,7 +253,16 @@ def render(report: dict) -> str:
             lines.append(f"  cuda:{i}: {gpu['name']}, {_gib(gpu['memory_free'])} free of {_gib(gpu['memory_total'])}")
         if "error" in torch:
             lines.append(f"  torch error: {torch['error']}")
-    lines.append(f"  torch runner's native kernels: {'built' if report.get('native_kernels') else 'not built (no C compiler at install: the pure-torch ones are used)'}")
+    use = report.get("native_kernel_use") or {}
+    if not report.get("native_kernels"):
+        native = "not built (no C compiler at install: the pure-torch ones are used)"
+    elif "error" in use:  # torch is not installed: nothing can call them
+        native = "built"
+    elif not use["usable"]:
+        native = f"not used: {use['why_not']}; rebuild them with `pip install -e .`"
+    else:
+        native = NATIVE_WIDE if use["wide"] else NATIVE_NARROW
+    lines.append(f"  torch runner's native kernels: {native}")
 
     llama = report["llama_cpp"]
     lines.append("llama.cpp")

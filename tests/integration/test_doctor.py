@@ -74,8 +74,16 @@ def test_text_report_without_models(tmp_path):
     assert "  torch: not installed" in lines or any(line.startswith("  torch: ") for line in lines)
     import importlib.util
 
+    from localllm.commands.doctor import NATIVE_NARROW, NATIVE_WIDE
+
     built = importlib.util.find_spec("localllm._native") is not None
-    assert ("  torch runner's native kernels: built" in lines) == built
+    if built and importlib.util.find_spec("torch") is not None:
+        from localllm.runners.torch import native
+
+        want = NATIVE_WIDE if native.wide_kernels() else NATIVE_NARROW
+        assert f"  torch runner's native kernels: {want}" in lines
+    else:
+        assert ("  torch runner's native kernels: built" in lines) == built
     assert "  llama-cpp-python: 0.3.36" in lines
     if not HAS_GPU:
         assert "  nvidia driver: no" in lines
