@@ -329,6 +329,19 @@ AVX512 static inline __attribute__((always_inline)) void block_pv(float *acc, co
     default: { const int G_ = QGROUP; CALL; } break; \
     }
 
+/* Blocks lie anywhere in the pool, so the hardware cannot guess the next one: ask for a head's
+ * rows (element ``head`` of each, D elements of ``elt`` bytes) of the block PREFETCH_BLOCKS
+ * after the one at key b0, while this one is computed. */
+AVX512 static inline void prefetch_ahead(const void *cache, const int32_t *table, int b0, int hi, size_t stride,
+                                         size_t head, int D, size_t elt) {
+    if (b0 + 16 * PREFETCH_BLOCKS > hi) return;
+    const size_t next = (size_t)table[b0 / 16 + PREFETCH_BLOCKS] * 16;
+    for (int j = 0; j < 16; j++) {
+        const size_t at = ((next + j) * stride + head) * elt;
+        for (size_t off = 0; off < (size_t)D * elt; off += 64) _mm_prefetch((const char *)cache + at + off, _MM_HINT_T0);
+    }
+}
+
 AVX512 static inline __attribute__((always_inline)) void item_avx512(const job_t *J, const int32_t *item,
                                                                       float *scratch, const int D, const int KV) {
     const int s = item[0], kvh = item[1], chunk = item[2], r0 = item[3], r1 = item[4];
@@ -372,15 +385,7 @@ AVX512 static inline __attribute__((always_inline)) void item_avx512(const job_t
         const int b0 = (b_first + bi) * 16, blk = table[b0 / 16];
         const int j0 = b0 > lo ? b0 : lo, j1 = b0 + 15 < hi ? b0 + 15 : hi, n = j1 - j0 + 1;
         const size_t row0 = (size_t)blk * 16 + (j0 - b0);
-        /* The next block lies anywhere in the pool, so the hardware cannot guess it: ask for
-         * its K rows of this head some blocks ahead, while this block is computed. */
-        if (b0 + 16 * PREFETCH_BLOCKS <= hi) {
-            const size_t next = (size_t)table[b0 / 16 + PREFETCH_BLOCKS] * 16;
-            for (int j = 0; j < 16; j++) {
-                const size_t at = ((next + j) * stride + (size_t)kvh * D) * elt;
-                for (size_t off = 0; off < (size_t)D * elt; off += 64) _mm_prefetch((const char *)J->k + at + off, _MM_HINT_T0);
-            }
-        }
+        prefetch_ahead(J->k, table, b0, hi, stride, (size_t)kvh * D, D, elt);
         float ksc[16];
         for (int j = 0; j < 16; j++)
             ksc[j] = KV == LM_KV_Q8 && j < n ? lm_half_to_float(J->k_scales[(row0 + j) * J->n_kv + kvh]) : 1.0f;
@@ -427,13 +432,7 @@ AVX512 static inline __attribute__((always_inline)) void item_avx512(const job_t
         const int b0 = (b_first + bi) * 16, blk = table[b0 / 16];
         const int j0 = b0 > lo ? b0 : lo, j1 = b0 + 15 < hi ? b0 + 15 : hi, n = j1 - j0 + 1;
         const size_t row0 = (size_t)blk * 16 + (j0 - b0);
-        if (b0 + 16 * PREFETCH_BLOCKS <= hi) {
-            const size_t next = (size_t)table[b0 / 16 + PREFETCH_BLOCKS] * 16;
-            for (int j = 0; j < 16; j++) {
-                const size_t at = ((next + j) * stride + (size_t)kvh * D) * elt;
-                for (size_t off = 0; off < (size_t)D * elt; off += 64) _mm_prefetch((const char *)J->v + at + off, _MM_HINT_T0);
-            }
-        }
+        prefetch_ahead(J->v, table, b0, hi, stride, (size_t)kvh * D, D, elt);
         float vsc[16];
         for (int j = 0; j < n; j++)
             vsc[j] = KV == LM_KV_Q8 ? lm_half_to_float(J->v_scales[(row0 + j) * J->n_kv + kvh]) : 1.0f;
