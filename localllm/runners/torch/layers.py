@@ -36,30 +36,26 @@ class Rope:
     theta_0 = p, theta_i = theta_(i-1) * s with s = powf(base, -2 / head_dim), each product
     rounded to float32, and takes cosf / sinf of them. At position 2,000 a float32 angle is
     already 1e-4 rad off the exact one, so exact angles would differ from llama.cpp's by that
-    much; these tables reproduce its angles bit for bit (cos and sin rounded from float64). They
-    are made once for positions 0.. as far as a step has asked (doubling), and a step's rows are
-    gathered once per positions tensor rather than twice per layer."""
+    much; these tables reproduce its angles bit for bit (cos and sin rounded from float64). cos
+    and sin are made once for positions 0.. as far as a step has asked (doubling: 256 KiB per
+    1,000 positions at head_dim 64), and a step's rows of C and S once per positions tensor
+    rather than twice per layer."""
 
     def __init__(self, head_dim: int, base: float, neox: bool, device):
         self.neox, self.head_dim, self.device = neox, head_dim, device
         self.scale = np.power(np.float32(base), np.float32(-2.0) / np.float32(head_dim), dtype=np.float32)
-        self._c = self._s = torch.empty(0, head_dim)  # (positions, hd): C and S per position
+        self._cos = self._sin = torch.empty(0, head_dim // 2)  # (positions, hd / 2)
         self._positions: torch.Tensor | None = None
         self._tables: tuple[torch.Tensor, torch.Tensor] = ()
 
     def _grow(self, n: int) -> None:
-        n = max(n, 2 * self._c.shape[0], 256)
+        n = max(n, 2 * self._cos.shape[0], 256)
         theta = np.empty((n, self.head_dim // 2), dtype=np.float32)
         theta[:, 0] = np.arange(n, dtype=np.float32)
         for i in range(1, self.head_dim // 2):
             theta[:, i] = theta[:, i - 1] * self.scale  # float32 products, one at a time, as llama.cpp
-        cos = torch.from_numpy(np.cos(theta.astype(np.float64)).astype(np.float32))
-        sin = torch.from_numpy(np.sin(theta.astype(np.float64)).astype(np.float32))
-        if self.neox:
-            c, s = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
-        else:
-            c, s = torch.stack([cos, cos], -1).flatten(-2), torch.stack([-sin, sin], -1).flatten(-2)
-        self._c, self._s = c.to(self.device), s.to(self.device)
+        self._cos = torch.from_numpy(np.cos(theta.astype(np.float64)).astype(np.float32)).to(self.device)
+        self._sin = torch.from_numpy(np.sin(theta.astype(np.float64)).astype(np.float32)).to(self.device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(N, 1, hd) float32 C and S with rope(x) = x * C + partner(x) * S, where partner(x)
@@ -68,10 +64,14 @@ class Rope:
         bit for bit as written out."""
         if positions is not self._positions:
             top = int(positions.max()) + 1 if positions.numel() else 0
-            if top > self._c.shape[0]:
+            if top > self._cos.shape[0]:
                 self._grow(top)
-            self._positions = positions
-            self._tables = (self._c[positions][:, None, :], self._s[positions][:, None, :])
+            cos, sin = self._cos[positions], self._sin[positions]
+            if self.neox:
+                c, s = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+            else:
+                c, s = torch.stack([cos, cos], -1).flatten(-2), torch.stack([-sin, sin], -1).flatten(-2)
+            self._positions, self._tables = positions, (c[:, None, :], s[:, None, :])
         return self._tables
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
