@@ -36,7 +36,7 @@ static inline float lm_half_to_float(uint16_t h) {
 #define LM_ENOMEM 2
 #define LM_MAX_THREADS 256
 
-#define LM_ABI_VERSION 4 /* 3: lm_paged_attention takes kv_type and the q8_0 scales; 4: lm_repack, lm_cpu_level */
+#define LM_ABI_VERSION 5 /* 3: lm_paged_attention takes kv_type and the q8_0 scales; 4: lm_repack, lm_cpu_level; 5: rows.c */
 
 /* What a KV pool holds (lm_paged_attention's kv_type). */
 #define LM_KV_F32 0
@@ -70,5 +70,9 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
 int lm_dequantize(const uint8_t *w, int wtype, int N, int K, float *out);
 int lm_repack(const uint8_t *w, int wtype, int N, int K, uint8_t *out, int reverse);
 int lm_cpu_level(void);
+
+int lm_rms_norm(const float *x, const float *w, float *y, int rows, int n, float eps);
+int lm_rope(const float *x, float *out, const float *cs, const float *sn, int rows, int heads, int hd, int neox);
+int lm_silu_mul(const float *g, const float *u, float *y, long n);
 
 #endif

@@ -7,6 +7,8 @@ rope "NEOX" rotates the halves (x[i], x[i + d/2]) (qwen2, gemma3).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -23,10 +25,40 @@ def gelu_ggml(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, y))
 
 
+@functools.cache
+def _rows():
+    """localllm's native row kernels (native/rows.c) when they were built, else None."""
+    from localllm.runners.torch import native
+
+    return native if native.available() else None
+
+
+def _native_rows(*tensors: torch.Tensor):
+    """The native row kernels when every tensor is a contiguous float32 one on the CPU."""
+    kernels = _rows()
+    if kernels is None:
+        return None
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+            return None
+    return kernels
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight over the last dimension, in float32: one fused
-    operation (a decode step makes about fifty of these)."""
-    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension, in float32 (a decode step
+    makes about fifty of these): on the CPU native/rows.c, summing as llama.cpp does."""
+    xf = x.float()
+    kernels = _native_rows(xf, weight)
+    if kernels is not None:
+        return kernels.rms_norm(xf, weight, eps).to(x.dtype)
+    return F.rms_norm(xf, (x.shape[-1],), weight, eps).to(x.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up in float32."""
+    g, u = gate.float(), up.float()
+    kernels = _native_rows(g, u)
+    return kernels.silu_mul(g, u) if kernels is not None else F.silu(g) * u
 
 
 class Rope:
@@ -47,6 +79,7 @@ class Rope:
         self._cos = self._sin = torch.empty(0, head_dim // 2)  # (positions, hd / 2)
         self._positions: torch.Tensor | None = None
         self._tables: tuple[torch.Tensor, torch.Tensor] = ()
+        self._rows: tuple[torch.Tensor, torch.Tensor] = ()  # the step's cos and sin (N, hd / 2)
 
     def _grow(self, n: int) -> None:
         n = max(n, 2 * self._cos.shape[0], 256)
@@ -67,6 +100,7 @@ class Rope:
             if top > self._cos.shape[0]:
                 self._grow(top)
             cos, sin = self._cos[positions], self._sin[positions]
+            self._rows = (cos, sin)
             if self.neox:
                 c, s = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
             else:
@@ -77,7 +111,10 @@ class Rope:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: (N, heads, hd); positions: (N,)."""
         c, s = self.tables(positions)
-        xf = x.float()
+        xf = x.float().contiguous()
+        kernels = _native_rows(xf, *self._rows)
+        if kernels is not None:
+            return kernels.rope(xf, *self._rows, self.neox).to(x.dtype)
         if self.neox:
             half = xf.shape[-1] // 2
             partner = torch.cat([xf[..., half:], xf[..., :half]], dim=-1)

@@ -14,7 +14,7 @@ import importlib.util
 
 import torch
 
-ABI_VERSION = 4  # native/localllm_native.h's LM_ABI_VERSION
+ABI_VERSION = 5  # native/localllm_native.h's LM_ABI_VERSION
 # What a KV pool holds, as native/attention.c numbers it (LM_KV_*): int8 is q8_0, with scales.
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
 REBUILD = "rebuild localllm's native kernels with `pip install -e .` (a C compiler is needed)"
@@ -73,6 +73,12 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, bool]:
     lib.lm_repack.argtypes = [vp, ci, ci, ci, vp, ci]
     lib.lm_cpu_level.restype = ci
     lib.lm_cpu_level.argtypes = []
+    lib.lm_rms_norm.restype = ci
+    lib.lm_rms_norm.argtypes = [vp, vp, vp, ci, ci, ctypes.c_float]
+    lib.lm_rope.restype = ci
+    lib.lm_rope.argtypes = [vp, vp, vp, vp, ci, ci, ci, ci]
+    lib.lm_silu_mul.restype = ci
+    lib.lm_silu_mul.argtypes = [vp, vp, vp, ctypes.c_long]
     lib.lm_pool_use_openmp.restype = None
     lib.lm_pool_use_openmp.argtypes = [vp, vp, vp]
     _share_torchs_threads(lib)
@@ -208,6 +214,32 @@ def repack(blocks: torch.Tensor, kind: str, reverse: bool = False) -> torch.Tens
     if rc:
         raise ValueError(f"{kind} blocks of shape {tuple(blocks.shape)} cannot be repacked in pairs")
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """native/rows.c: x (..., n) float32, contiguous, normalized per row of n and times weight
+    (n,), as llama.cpp computes it."""
+    y = torch.empty_like(x)
+    n = x.shape[-1]
+    if _required().lm_rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps):
+        raise ValueError(f"rms_norm of rows of {n}")
+    return y
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
+    """native/rows.c: x (N, heads, hd) float32, contiguous, rotated with cos / sin (N, hd / 2)."""
+    out = torch.empty_like(x)
+    n, heads, hd = x.shape
+    if _required().lm_rope(x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), n, heads, hd, int(neox)):
+        raise ValueError(f"rope of heads of {hd}")
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """native/rows.c: silu(gate) * up, both float32 and contiguous, of one shape."""
+    y = torch.empty_like(gate)
+    _required().lm_silu_mul(gate.data_ptr(), up.data_ptr(), y.data_ptr(), gate.numel())
+    return y
 
 
 def dequantize(blocks: torch.Tensor, kind: str, k: int) -> torch.Tensor:

@@ -1,0 +1,62 @@
+"""native/rows.c against torch: RMS norm (summed as llama.cpp sums it), rotary embeddings and
+silu(gate) * up, each row computed alone. No model needed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from localllm.runners.torch import layers, native  # noqa: E402
+from localllm.runners.torch.layers import Rope  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="localllm._native was not built here")
+
+
+def test_rms_norm_is_llama_cpps_double_sum_then_float_steps():
+    x = torch.randn(5, 896, generator=torch.Generator().manual_seed(0)) * 3
+    w = torch.randn(896, generator=torch.Generator().manual_seed(1))
+    got = native.rms_norm(x, w, 1e-6)
+    xs = x.numpy()
+    for r in range(5):  # ggml_compute_forward_rms_norm_f32, then ggml_mul
+        total = 0.0
+        for v in xs[r]:
+            total += float(np.float32(v * v))
+        scale = np.float32(1.0) / np.sqrt(np.float32(total / 896) + np.float32(1e-6), dtype=np.float32)
+        want = (xs[r] * scale).astype(np.float32) * w.numpy()
+        assert np.array_equal(got[r].numpy(), want), r
+    torch.testing.assert_close(got, torch.nn.functional.rms_norm(x, (896,), w, 1e-6))
+
+
+def test_each_row_is_computed_alone():
+    x = torch.randn(7, 3, 64, generator=torch.Generator().manual_seed(2))
+    w = torch.randn(64)
+    alone = torch.cat([native.rms_norm(x[i:i + 1].contiguous(), w, 1e-5) for i in range(7)])
+    assert torch.equal(native.rms_norm(x, w, 1e-5), alone)
+    rope = Rope(64, 1e6, neox=True, device="cpu")
+    pos = torch.arange(7) * 100
+    whole = rope(x, pos)
+    for i in range(7):
+        assert torch.equal(Rope(64, 1e6, neox=True, device="cpu")(x[i:i + 1], pos[i:i + 1]), whole[i:i + 1])
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_rope_matches_the_torch_formula(neox, monkeypatch):
+    x = torch.randn(6, 4, 32, generator=torch.Generator().manual_seed(3))
+    pos = torch.tensor([0, 1, 5, 300, 2000, 4095])
+    got = Rope(32, 10000.0, neox=neox, device="cpu")(x, pos)
+    monkeypatch.setattr(layers, "_native_rows", lambda *t: None)
+    want = Rope(32, 10000.0, neox=neox, device="cpu")(x, pos)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-6)
+    assert torch.equal(got[0], x[0])  # position 0 turns nothing
+
+
+def test_silu_mul_and_the_torch_fallbacks_agree(monkeypatch):
+    g, u = torch.randn(3, 4864) * 4, torch.randn(3, 4864)
+    torch.testing.assert_close(layers.silu_mul(g, u), torch.nn.functional.silu(g) * u)
+    monkeypatch.setattr(layers, "_native_rows", lambda *t: None)
+    torch.testing.assert_close(layers.silu_mul(g, u), torch.nn.functional.silu(g) * u)
+    # bfloat16 activations (the int4 / int8 schemes) go through float32 and come back
+    h = torch.randn(2, 64).to(torch.bfloat16)
+    assert layers.rms_norm(h, torch.ones(64), 1e-6).dtype == torch.bfloat16
