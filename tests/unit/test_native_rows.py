@@ -60,3 +60,18 @@ def test_silu_mul_and_the_torch_fallbacks_agree(monkeypatch):
     # bfloat16 activations (the int4 / int8 schemes) go through float32 and come back
     h = torch.randn(2, 64).to(torch.bfloat16)
     assert layers.rms_norm(h, torch.ones(64), 1e-6).dtype == torch.bfloat16
+
+
+def test_a_views_layout_does_not_choose_the_arithmetic():
+    """gate and up are views into one matmul's output: contiguous for one row, strided for
+    several. Both must take the same kernel, or a position decoded alone and the same position
+    checked among drafts round differently."""
+    fused = torch.randn(4, 2 * 48, generator=torch.Generator().manual_seed(4)) * 3
+    gate, up = fused.split(48, dim=-1)
+    assert not gate.is_contiguous() and gate[:1].is_contiguous()
+    together = layers.silu_mul(gate, up)
+    for i in range(4):
+        assert torch.equal(layers.silu_mul(gate[i:i + 1], up[i:i + 1]), together[i:i + 1])
+    x = fused[:, :48]
+    normed = layers.rms_norm(x, torch.ones(48), 1e-6)
+    assert torch.equal(layers.rms_norm(x[1:2], torch.ones(48), 1e-6), normed[1:2])

@@ -34,12 +34,15 @@ def _rows():
 
 
 def _native_rows(*tensors: torch.Tensor):
-    """The native row kernels when every tensor is a contiguous float32 one on the CPU."""
+    """The native row kernels when every tensor is a float32 one on the CPU (callers pass them
+    contiguous). Whether they are used must not depend on a tensor's layout, which differs
+    between a decode step and a batch: each path rounds its own way, and a position decoded
+    alone must equal the same position checked among drafts."""
     kernels = _rows()
     if kernels is None:
         return None
     for t in tensors:
-        if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+        if t.device.type != "cpu" or t.dtype != torch.float32:
             return None
     return kernels
 
@@ -50,7 +53,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     kernels = _native_rows(xf, weight)
     if kernels is not None:
-        return kernels.rms_norm(xf, weight, eps).to(x.dtype)
+        return kernels.rms_norm(xf.contiguous(), weight.contiguous(), eps).to(x.dtype)
     return F.rms_norm(xf, (x.shape[-1],), weight, eps).to(x.dtype)
 
 
@@ -58,7 +61,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's silu(gate) * up in float32."""
     g, u = gate.float(), up.float()
     kernels = _native_rows(g, u)
-    return kernels.silu_mul(g, u) if kernels is not None else F.silu(g) * u
+    return kernels.silu_mul(g.contiguous(), u.contiguous()) if kernels is not None else F.silu(g) * u
 
 
 class Rope:
