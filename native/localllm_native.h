@@ -73,6 +73,5 @@ int lm_cpu_level(void);
 
 int lm_rms_norm(const float *x, const float *w, float *y, int rows, int n, float eps);
 int lm_rope(const float *x, float *out, const float *cs, const float *sn, int rows, int heads, int hd, int neox);
-int lm_silu_mul(const float *g, const float *u, float *y, long n);
 
 #endif

@@ -1,8 +1,9 @@
-/* Row-wise steps between the matmuls, as llama.cpp computes them on the CPU: RMS norm, rotary
- * embeddings and SwiGLU's silu(gate) * up. A decode step makes about a hundred and fifty of
- * these on rows of a few hundred to a few thousand floats, where each torch operation costs
- * more to dispatch than to compute. Every row is computed alone, in one order, so a row's
- * result does not depend on the rows beside it. */
+/* Row-wise steps between the matmuls, as llama.cpp computes them on the CPU: RMS norm and
+ * rotary embeddings. A decode step makes about a hundred of these on rows of a few hundred
+ * floats, where each torch operation costs more to dispatch than to compute. Every row is
+ * computed alone, in one order, so a row's result does not depend on the rows beside it.
+ * (SwiGLU's silu(gate) * up stays torch's: it is vectorized there; a scalar expf here cost a
+ * 512-token prefill 16 % and eight streams 12 %.) */
 
 #include <math.h>
 #include <stddef.h>
@@ -48,12 +49,5 @@ int lm_rope(const float *x, float *out, const float *cs, const float *sn, int ro
             }
         }
     }
-    return LM_OK;
-}
-
-/* y = silu(g) * u = g / (1 + exp(-g)) * u, n values. */
-int lm_silu_mul(const float *g, const float *u, float *y, long n) {
-    if (n < 0) return LM_EINVAL;
-    for (long i = 0; i < n; i++) y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     return LM_OK;
 }

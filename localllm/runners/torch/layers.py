@@ -57,13 +57,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(xf, (x.shape[-1],), weight, eps).to(x.dtype)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's silu(gate) * up in float32."""
-    g, u = gate.float(), up.float()
-    kernels = _native_rows(g, u)
-    return kernels.silu_mul(g.contiguous(), u.contiguous()) if kernels is not None else F.silu(g) * u
-
-
 class Rope:
     """Rotary position embeddings for heads of ``head_dim``, with llama.cpp's angles.
 

@@ -77,8 +77,6 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, bool]:
     lib.lm_rms_norm.argtypes = [vp, vp, vp, ci, ci, ctypes.c_float]
     lib.lm_rope.restype = ci
     lib.lm_rope.argtypes = [vp, vp, vp, vp, ci, ci, ci, ci]
-    lib.lm_silu_mul.restype = ci
-    lib.lm_silu_mul.argtypes = [vp, vp, vp, ctypes.c_long]
     lib.lm_pool_use_openmp.restype = None
     lib.lm_pool_use_openmp.argtypes = [vp, vp, vp]
     _share_torchs_threads(lib)
@@ -233,13 +231,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> t
     if _required().lm_rope(x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), n, heads, hd, int(neox)):
         raise ValueError(f"rope of heads of {hd}")
     return out
-
-
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """native/rows.c: silu(gate) * up, both float32 and contiguous, of one shape."""
-    y = torch.empty_like(gate)
-    _required().lm_silu_mul(gate.data_ptr(), up.data_ptr(), y.data_ptr(), gate.numel())
-    return y
 
 
 def dequantize(blocks: torch.Tensor, kind: str, k: int) -> torch.Tensor:

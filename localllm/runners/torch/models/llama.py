@@ -6,9 +6,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from localllm.runners.torch.attention import AttnBatch, KVPool
-from localllm.runners.torch.layers import LayerSource, Parallel, Rope, rms_norm, silu_mul
+from localllm.runners.torch.layers import LayerSource, Parallel, Rope, rms_norm
 from localllm.runners.torch.weights import ModelConfig
 
 
@@ -54,7 +55,7 @@ class LlamaModel:
             x = x + layer["o"](a.reshape(-1, c.n_head * c.head_dim).to(dt)).float()
             h = rms_norm(x, layer["ffn_norm"], c.rms_eps).to(dt)
             gate, up = layer["gate_up"](h)
-            x = x + layer["down"](silu_mul(gate, up).to(dt)).float()
+            x = x + layer["down"]((F.silu(gate.float()) * up.float()).to(dt)).float()
         return rms_norm(x, self.norm, c.rms_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
