@@ -55,8 +55,9 @@ def connect(server: LiveServer) -> socket.socket:
     return sock
 
 
-def read_until_closed(sock: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection."""
+def read_until_closed(sock: socket.socket, or_response: bool = False) -> bytes:
+    """Everything the server sends until it closes the connection; with ``or_response``, also
+    stop at one whole response (by its Content-Length), whether or not the server then closes."""
     data = b""
     while True:
         try:
@@ -66,6 +67,11 @@ def read_until_closed(sock: socket.socket) -> bytes:
         if not chunk:
             return data
         data += chunk
+        if or_response:
+            _, sep, body = data.partition(b"\r\n\r\n")
+            length = parse(data)[1].get("content-length") if sep else None
+            if length is not None and len(body) >= int(length):
+                return data
 
 
 def parse(raw: bytes) -> tuple[int, dict[str, str], bytes]:
@@ -198,7 +204,7 @@ def test_stalled_clients_do_not_hold_up_others(server):
 def test_body_over_the_limit_is_413_with_content_length_before_it_is_sent(server):
     sock = connect(server)
     sock.sendall(head("/v1/completions", MAX_BODY + 1))  # the header alone: no body follows
-    error = openai_error(read_until_closed_or_response(sock), 413)
+    error = openai_error(read_until_closed(sock, or_response=True), 413)
     assert error["code"] == "request_too_large"
     assert str(MAX_BODY + 1) in error["message"] and str(MAX_BODY) in error["message"]
 
@@ -212,7 +218,7 @@ def test_chunked_body_over_the_limit_is_413_once_the_limit_is_passed(server):
             sock.sendall(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
         except (BrokenPipeError, ConnectionResetError):
             break
-    error = openai_error(read_until_closed_or_response(sock), 413)
+    error = openai_error(read_until_closed(sock, or_response=True), 413)
     assert error["code"] == "request_too_large" and "at least" in error["message"]
 
 
@@ -223,7 +229,7 @@ def test_the_key_is_checked_before_a_body_is_read(server):
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 1000\r\n\r\n")
     start = time.monotonic()
-    error = openai_error(read_until_closed_or_response(sock), 401)
+    error = openai_error(read_until_closed(sock, or_response=True), 401)
     assert error["code"] == "invalid_api_key"
     assert time.monotonic() - start < READ_TIMEOUT_S
 
@@ -243,21 +249,3 @@ def test_the_server_is_whole_after_the_slow_clients(server):
     assert engine_counts(server) == (0.0, 0.0)
     log = server.log()
     assert "Traceback" not in log and "ERROR" not in log, log[-4000:]
-
-
-def read_until_closed_or_response(sock: socket.socket) -> bytes:
-    """One whole response (by its Content-Length), whether or not the server then closes."""
-    data = b""
-    while True:
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionResetError:
-            return data
-        if not chunk:
-            return data
-        data += chunk
-        head_bytes, sep, body = data.partition(b"\r\n\r\n")
-        if sep:
-            length = parse(data)[1].get("content-length")
-            if length is not None and len(body) >= int(length):
-                return data
