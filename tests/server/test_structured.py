@@ -8,7 +8,9 @@ import json
 import openai
 import pytest
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+# name is bounded so that a whole object always fits in the tests' 80 tokens (unbounded, a
+# sampled name once ran on for 450 characters and the answer stopped at the length limit).
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -32,7 +34,7 @@ def test_json_schema_output_validates(client, model_id, seed):
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
     value = json.loads(r.choices[0].message.content)
     assert set(value) == {"name", "age"}
-    assert isinstance(value["name"], str) and type(value["age"]) is int
+    assert isinstance(value["name"], str) and len(value["name"]) <= 40 and type(value["age"]) is int
     assert r.choices[0].finish_reason == "stop"
 
 
