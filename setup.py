@@ -16,7 +16,8 @@ else:
 
 setup(ext_modules=[Extension(
     "localllm._native",
-    sources=["native/module.c", "native/attention.c", "native/pool.c", "native/qmatmul.c", "native/rows.c"],
+    sources=["native/module.c", "native/attention.c", "native/pool.c", "native/qmatmul.c", "native/rows.c",
+             "native/isa.c"],
     depends=["native/localllm_native.h"],
     include_dirs=["native"],
     extra_compile_args=args,

@@ -24,10 +24,12 @@
 
 #include "localllm_native.h"
 
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
-#define LM_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define LM_CLONES
+/* The generic work item is compiled three times on x86-64 (for x86-64-v4, v3 and the baseline)
+ * and run in the copy that lm_isa() allows (isa.c), so a forced lower tier runs its own code. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define LM_TIERED 1
+#define LM_V4 __attribute__((target("arch=x86-64-v4")))
+#define LM_V3 __attribute__((target("arch=x86-64-v3")))
 #endif
 
 #define TILE_ROWS 4
@@ -46,11 +48,11 @@ __attribute__((target("avx,f16c"))) static void halves_f16c(const uint16_t *src,
 }
 #endif
 
-static int cpu_has_f16c = -1;
+static int cpu_has_f16c = -1; /* lm_isa_f16c(), read once a call in lm_paged_attention */
 
 static void halves_to_floats(const uint16_t *src, float *dst, int n) {
 #ifdef LM_HAVE_F16C
-    if (cpu_has_f16c) {
+    if (cpu_has_f16c > 0) {
         halves_f16c(src, dst, n);
         return;
     }
@@ -92,10 +94,11 @@ typedef struct {
     int next;   /* the next unclaimed item (atomic) */
     int failed; /* a part could not get its scratch memory (atomic) */
     int max_blocks; /* the most blocks of keys one item visits (the AVX-512 copy keeps their scores) */
+    int tier;       /* the copy to run: 4 AVX-512 (x86-64-v4), 3 AVX2 (x86-64-v3), else the baseline */
 } job_t;
 
 /* Rows row0..row0+n-1 of the flattened pool (block * block_size + offset), KV head kvh, as
- * float32 into dst (n, d). Inlined into each target_clones copy, so the int8 loop is
+ * float32 into dst (n, d). Inlined into each tier's copy, so the int8 loop is
  * vectorized for that copy's instruction set. */
 static inline __attribute__((always_inline)) void load_rows(const void *cache, const uint16_t *scales, int kv_type,
                                                             size_t row0, int kvh, int n_kv, int n, int d,
@@ -199,10 +202,19 @@ static inline __attribute__((always_inline)) void item_body(const job_t *J, cons
         }
 }
 
-LM_CLONES static void item_d64(const job_t *J, const int32_t *it, float *sc) { item_body(J, it, sc, 64); }
-LM_CLONES static void item_d128(const job_t *J, const int32_t *it, float *sc) { item_body(J, it, sc, 128); }
-LM_CLONES static void item_d256(const job_t *J, const int32_t *it, float *sc) { item_body(J, it, sc, 256); }
-LM_CLONES static void item_any(const job_t *J, const int32_t *it, float *sc) { item_body(J, it, sc, J->head_dim); }
+#ifdef LM_TIERED
+#define ITEM_TIERS(NAME, D_)                                                                                   \
+    static void NAME(const job_t *J, const int32_t *it, float *sc) { item_body(J, it, sc, D_); }              \
+    LM_V3 static void NAME##_v3(const job_t *J, const int32_t *it, float *sc) { item_body(J, it, sc, D_); }   \
+    LM_V4 static void NAME##_v4(const job_t *J, const int32_t *it, float *sc) { item_body(J, it, sc, D_); }
+#else
+#define ITEM_TIERS(NAME, D_) \
+    static void NAME(const job_t *J, const int32_t *it, float *sc) { item_body(J, it, sc, D_); }
+#endif
+ITEM_TIERS(item_d64, 64)
+ITEM_TIERS(item_d128, 128)
+ITEM_TIERS(item_d256, 256)
+ITEM_TIERS(item_any, J->head_dim)
 
 
 /* The AVX-512 copy of a work item, for pools of 16-token blocks (the BlockManager's) and head
@@ -465,13 +477,9 @@ ITEM_COPIES(128, item_avx512_d128)
 ITEM_COPIES(J->head_dim, item_avx512_any)
 #endif
 
-#ifdef LM_HAVE_AVX512_ATTN
-static int cpu_has_avx512 = -1;
-#endif
-
 static void run_item(const job_t *J, const int32_t *item, float *scratch) {
 #ifdef LM_HAVE_AVX512_ATTN
-    if (cpu_has_avx512 && J->block_size == 16 && J->head_dim % 16 == 0) {
+    if (J->tier == 4 && J->block_size == 16 && J->head_dim % 16 == 0) {
         switch (J->head_dim) {
         case 64: item_avx512_d64(J, item, scratch); return;
         case 128: item_avx512_d128(J, item, scratch); return;
@@ -479,12 +487,18 @@ static void run_item(const job_t *J, const int32_t *item, float *scratch) {
         }
     }
 #endif
+#ifdef LM_TIERED
+#define BY_TIER(NAME) (J->tier == 4 ? NAME##_v4 : J->tier == 3 ? NAME##_v3 : NAME)(J, item, scratch)
+#else
+#define BY_TIER(NAME) NAME(J, item, scratch)
+#endif
     switch (J->head_dim) {
-    case 64: item_d64(J, item, scratch); break;
-    case 128: item_d128(J, item, scratch); break;
-    case 256: item_d256(J, item, scratch); break;
-    default: item_any(J, item, scratch);
+    case 64: BY_TIER(item_d64); break;
+    case 128: BY_TIER(item_d128); break;
+    case 256: BY_TIER(item_d256); break;
+    default: BY_TIER(item_any);
     }
+#undef BY_TIER
 }
 
 static size_t scratch_floats(const job_t *J) {
@@ -521,17 +535,10 @@ int lm_paged_attention(const float *q, float *out, const void *k, const void *v,
     if (n_kv <= 0 || n_head % n_kv != 0 || block_size <= 0 || head_dim <= 0) return LM_EINVAL;
     if (kv_type != LM_KV_F32 && kv_type != LM_KV_F16 && kv_type != LM_KV_Q8) return LM_EINVAL;
     if (kv_type == LM_KV_Q8 && (k_scales == NULL || v_scales == NULL)) return LM_EINVAL;
-#ifdef LM_HAVE_F16C
-    if (cpu_has_f16c < 0) {
-        __builtin_cpu_init();
-        cpu_has_f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-        cpu_has_avx512 = cpu_has_f16c && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                         __builtin_cpu_supports("fma");
-    }
-#endif
+    cpu_has_f16c = lm_isa_f16c();
     job_t J = {q, out, k, v, k_scales, v_scales, kv_type, q_start, q_len, ctx_len, tables, table_start,
                block_size, n_head, n_kv, head_dim, n_swa, scale, 1, NULL, 0, 0, 0, 0};
+    J.tier = lm_isa_avx512() ? 4 : lm_isa() >= LM_ISA_AVX2 ? 3 : 1;
     const int group = n_head / n_kv;
     long tiles = 0;
     double work = 0;

@@ -36,7 +36,8 @@ static inline float lm_half_to_float(uint16_t h) {
 #define LM_ENOMEM 2
 #define LM_MAX_THREADS 256
 
-#define LM_ABI_VERSION 5 /* 3: lm_paged_attention takes kv_type and the q8_0 scales; 4: lm_repack, lm_cpu_level; 5: rows.c */
+#define LM_ABI_VERSION 6 /* 3: lm_paged_attention takes kv_type and the q8_0 scales; 4: lm_repack, lm_cpu_level; 5: rows.c;
+                            6: isa.c (lm_isa, lm_set_isa) in place of lm_cpu_level */
 
 /* What a KV pool holds (lm_paged_attention's kv_type). */
 #define LM_KV_F32 0
@@ -69,9 +70,20 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
                int force_scalar);
 int lm_dequantize(const uint8_t *w, int wtype, int N, int K, float *out);
 int lm_repack(const uint8_t *w, int wtype, int N, int K, uint8_t *out, int reverse);
-int lm_cpu_level(void);
 
 int lm_rms_norm(const float *x, const float *w, float *y, int rows, int n, float eps);
 int lm_rope(const float *x, float *out, const float *cs, const float *sn, int rows, int heads, int hd, int neox);
+
+/* Instruction-set tiers (isa.c), lowest first: the kernels run the highest one that both the
+ * CPU has and lm_set_isa allows. */
+#define LM_ISA_SCALAR 0
+#define LM_ISA_AVX2 1 /* AVX2, FMA, F16C */
+#define LM_ISA_AVX512VNNI_256 2 /* AVX-512 VNNI on 256-bit vectors (no AVX-512 F / DQ) */
+#define LM_ISA_AVX512VNNI 3
+int lm_isa(void);
+int lm_isa_detected(void);
+int lm_set_isa(int level);
+int lm_isa_f16c(void);   /* float16 conversions with F16C */
+int lm_isa_avx512(void); /* attention's AVX-512 copy (F, BW, VL, DQ; no VNNI needed) */
 
 #endif

@@ -593,7 +593,6 @@ VNNI512_TARGET static void rows_kquant(int wtype, const uint8_t *w, size_t row_b
     }
 }
 
-static int cpu_level = -1; /* 0 plain, 1 AVX2, 2 AVX-512 VNNI (256-bit), 3 AVX-512 VNNI tiles */
 #endif
 
 static void rows_scalar(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb,
@@ -629,7 +628,7 @@ static void quantize_row(const float *x, int nb, qblock_t *q, float *d) {
 }
 
 typedef struct {
-    int level; /* cpu_level's, or 0 */
+    int level; /* lm_isa()'s tier, or LM_ISA_SCALAR */
     int wtype;
     const uint8_t *w;
     size_t row_bytes;
@@ -648,7 +647,7 @@ static void mm_part(void *p, int part, int parts) {
     const int n0 = part * per * 8, n1 = (part + 1) * per * 8 < J->N ? (part + 1) * per * 8 : J->N;
     if (n0 >= n1) return;
 #ifdef LM_X86
-    if (J->level == 3) {
+    if (J->level == LM_ISA_AVX512VNNI) {
         if (J->xp != NULL) {
             rows_pairs_direct(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, (const xpair_t *)J->xp, J->M, J->y, J->N);
             return;
@@ -662,26 +661,16 @@ static void mm_part(void *p, int part, int parts) {
         rows_vnni(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N);
         return;
     }
-    if (J->level == 2) { rows_vnni(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N); return; }
-    if (J->level == 1) { rows_avx2(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N); return; }
+    if (J->level == LM_ISA_AVX512VNNI_256) {
+        rows_vnni(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N);
+        return;
+    }
+    if (J->level == LM_ISA_AVX2) {
+        rows_avx2(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N);
+        return;
+    }
 #endif
     rows_scalar(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N);
-}
-
-int lm_cpu_level(void) {
-#ifdef LM_X86
-    if (cpu_level < 0) {
-        __builtin_cpu_init();
-        const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-        const int vnni = avx2 && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vnni");
-        const int vnni512 = vnni && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-        cpu_level = vnni512 ? 3 : vnni ? 2 : avx2 ? 1 : 0;
-    }
-    return cpu_level;
-#else
-    return 0;
-#endif
 }
 
 #ifdef LM_X86
@@ -706,7 +695,7 @@ static void kmm_part(void *p, int part, int parts) {
 static int qmatmul_k(const float *x, int M, int K, const uint8_t *w, int wtype, int N, float *y, int n_threads,
                      int level) {
 #ifdef LM_X86
-    if (level != 3 || K % QKK != 0) return LM_EINVAL;
+    if (level != LM_ISA_AVX512VNNI || K % QKK != 0) return LM_EINVAL;
     const int nsb = K / QKK;
     xk_t *xk = aligned_alloc(64, sizeof(xk_t) * ((size_t)M * nsb + 1));
     if (xk == NULL) return LM_ENOMEM;
@@ -727,13 +716,13 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
                int force_scalar) {
     if (M < 0 || N < 0) return LM_EINVAL;
     if (wtype == LM_Q4_K || wtype == LM_Q6_K)
-        return qmatmul_k(x, M, K, w, wtype, N, y, n_threads, force_scalar ? 0 : lm_cpu_level());
+        return qmatmul_k(x, M, K, w, wtype, N, y, n_threads, force_scalar ? LM_ISA_SCALAR : lm_isa());
     const int bb = lm_block_bytes(wtype);
     if (bb == 0 || K % QK != 0 || M < 0 || N < 0) return LM_EINVAL;
-    const int level = force_scalar ? 0 : lm_cpu_level();
+    const int level = force_scalar ? LM_ISA_SCALAR : lm_isa();
     /* pairs of blocks, read by the AVX-512 VNNI loops alone (lm_repack makes them there) */
     const int in_pairs = wtype == LM_Q5_0P || wtype == LM_Q4_0P;
-    if (in_pairs && (level != 3 || K % (2 * QK) != 0)) return LM_EINVAL;
+    if (in_pairs && (level != LM_ISA_AVX512VNNI || K % (2 * QK) != 0)) return LM_EINVAL;
     const int nb = K / QK;
     qblock_t *xq = malloc(sizeof(qblock_t) * (size_t)M * nb + 1);
     float *xd = malloc(sizeof(float) * (size_t)M * nb + 1);

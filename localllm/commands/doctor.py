@@ -52,11 +52,19 @@ def _native_report() -> dict:
     in place here (imports torch: only here)."""
     from localllm.runners.torch import native
 
-    return {"usable": native.available(), "why_not": native.why_unavailable(), "wide": native.wide_kernels()}
+    return {"usable": native.available(), "why_not": native.why_unavailable(), "wide": native.wide_kernels(),
+            "isa": native.isa(), "isa_detected": native.isa_detected()}
 
 
 NATIVE_WIDE = "built; Q4_0, Q5_0, Q8_0, Q4_K, Q6_K read in place (AVX-512 VNNI)"
-NATIVE_NARROW = "built; Q4_0, Q5_0, Q8_0 read in place (Q4_K, Q6_K converted: the CPU has no AVX-512 VNNI)"
+NATIVE_NARROW = "built; Q4_0, Q5_0, Q8_0 read in place (Q4_K, Q6_K converted: AVX-512 VNNI is not in use)"
+
+
+def _tier(use: dict) -> str:
+    """The kernels' instruction-set tier, and the CPU's own where LOCALLLM_NATIVE_ISA lowered it."""
+    if use["isa"] == use["isa_detected"]:
+        return use["isa"]
+    return f"{use['isa']} (forced by LOCALLLM_NATIVE_ISA; the CPU's best is {use['isa_detected']})"
 
 
 def _llama_report() -> dict:
@@ -256,12 +264,13 @@ def render(report: dict) -> str:
     use = report.get("native_kernel_use") or {}
     if not report.get("native_kernels"):
         native = "not built (no C compiler at install: the pure-torch ones are used)"
-    elif "error" in use:  # torch is not installed: nothing can call them
-        native = "built"
+    elif "error" in use:  # torch is not installed (nothing can call them), or LOCALLLM_NATIVE_ISA is refused
+        native = "built" if use["error"].startswith(("ModuleNotFoundError", "ImportError")) else \
+            f"built, not usable: {use['error'].split(': ', 1)[-1]}"
     elif not use["usable"]:
         native = f"not used: {use['why_not']}; rebuild them with `pip install -e .`"
     else:
-        native = NATIVE_WIDE if use["wide"] else NATIVE_NARROW
+        native = (NATIVE_WIDE if use["wide"] else NATIVE_NARROW) + f"; tier {_tier(use)}"
     lines.append(f"  torch runner's native kernels: {native}")
 
     llama = report["llama_cpp"]

@@ -11,10 +11,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import os
 
 import torch
 
-ABI_VERSION = 5  # native/localllm_native.h's LM_ABI_VERSION
+from localllm.errors import UsageError
+
+ABI_VERSION = 6  # native/localllm_native.h's LM_ABI_VERSION
 # What a KV pool holds, as native/attention.c numbers it (LM_KV_*): int8 is q8_0, with scales.
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
 REBUILD = "rebuild localllm's native kernels with `pip install -e .` (a C compiler is needed)"
@@ -29,6 +32,14 @@ SUPER_BYTES = {"Q4_K": 144, "Q6_K": 210}
 PACKED_TYPES = {"Q4_0P": 102, "Q5_0P": 106}
 PACKED_FROM = {"Q4_0": "Q4_0P", "Q5_0": "Q5_0P"}
 _ERRORS = {1: "invalid arguments", 2: "out of memory"}
+# Instruction-set tiers, as native/isa.c numbers them (LM_ISA_*; 2, AVX-512 VNNI without AVX-512 F,
+# runs the VNNI loops on 256-bit vectors and is never forced).
+ISA_TIERS = {"scalar": 0, "avx2": 1, "avx512vnni": 3}
+_ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512vnni-256", 3: "avx512vnni"}
+# The switch that forces a lower tier, as torch's kernels follow ATEN_CPU_CAPABILITY: a fast
+# machine then runs, tests and times what a slower one runs (docs/testing.md). It is a switch of
+# the process, like torch's, read once when the library loads.
+ISA_VARIABLE = "LOCALLLM_NATIVE_ISA"
 
 
 def library() -> ctypes.CDLL | None:
@@ -71,16 +82,35 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, bool]:
     lib.lm_dequantize.argtypes = [vp, ci, ci, ci, vp]
     lib.lm_repack.restype = ci
     lib.lm_repack.argtypes = [vp, ci, ci, ci, vp, ci]
-    lib.lm_cpu_level.restype = ci
-    lib.lm_cpu_level.argtypes = []
+    for name in ("lm_isa", "lm_isa_detected"):
+        getattr(lib, name).restype = ci
+        getattr(lib, name).argtypes = []
+    lib.lm_set_isa.restype = ci
+    lib.lm_set_isa.argtypes = [ci]
     lib.lm_rms_norm.restype = ci
     lib.lm_rms_norm.argtypes = [vp, vp, vp, ci, ci, ctypes.c_float]
     lib.lm_rope.restype = ci
     lib.lm_rope.argtypes = [vp, vp, vp, vp, ci, ci, ci, ci]
     lib.lm_pool_use_openmp.restype = None
     lib.lm_pool_use_openmp.argtypes = [vp, vp, vp]
+    _force_isa(lib, os.environ.get(ISA_VARIABLE, ""))
     _share_torchs_threads(lib)
     return lib, None, False
+
+
+def _force_isa(lib: ctypes.CDLL, wanted: str) -> None:
+    """Hold the kernels to the tier ``wanted`` names ("" leaves them at the CPU's best); a
+    name that is no tier, or a tier this CPU lacks, is refused (a test or a figure would
+    otherwise claim a tier it never ran)."""
+    if not wanted:
+        return
+    tier = ISA_TIERS.get(wanted.strip().lower())
+    if tier is None:
+        raise UsageError(f"{ISA_VARIABLE}={wanted!r} names no tier of the native kernels; "
+                         f"use one of {', '.join(ISA_TIERS)}, or unset it")
+    if lib.lm_set_isa(tier):
+        raise UsageError(f"{ISA_VARIABLE}={wanted}: this CPU lacks that tier (its best is "
+                         f"{_ISA_NAMES[lib.lm_isa_detected()]}); force a lower one, or unset it")
 
 
 def _share_torchs_threads(lib: ctypes.CDLL) -> None:
@@ -198,7 +228,20 @@ def wide_kernels() -> bool:
     """Whether the matmul's AVX-512 VNNI loops run here, which alone read "Q5_0P" and the
     K-quants (K_TYPES)."""
     lib = library()
-    return lib is not None and lib.lm_cpu_level() == 3
+    return lib is not None and lib.lm_isa() == ISA_TIERS["avx512vnni"]
+
+
+def isa() -> str | None:
+    """The instruction-set tier the kernels run here ("scalar", "avx2", "avx512vnni", ...), after
+    any LOCALLLM_NATIVE_ISA; None without the kernels."""
+    lib = library()
+    return None if lib is None else _ISA_NAMES[lib.lm_isa()]
+
+
+def isa_detected() -> str | None:
+    """The CPU's own best tier, whatever LOCALLLM_NATIVE_ISA says; None without the kernels."""
+    lib = library()
+    return None if lib is None else _ISA_NAMES[lib.lm_isa_detected()]
 
 
 def repack(blocks: torch.Tensor, kind: str, reverse: bool = False) -> torch.Tensor:
