@@ -83,20 +83,26 @@ class LLMEngine:
                 config.prefix_cache_dir, self.runner.fingerprint, block_size,
                 budget_bytes=config.prefix_cache_size, min_tokens=config.prefix_cache_min_tokens,
                 model_name=Path(config.model_path).name)
-        self.block_manager = BlockManager(
-            self.runner.n_ctx // block_size, block_size, self.runner.fingerprint, listener=self.runner,
-            prefix_source=_StoredPrefixes(self.prefix_store, self.runner) if self.prefix_store else None,
-        )
-        self.max_model_len = self.block_manager.num_blocks * block_size
+        self.max_model_len = self.runner.n_ctx // block_size * block_size
         # The pool as people read it, from what the runner really allocated (None for a runner
         # that does not measure it, such as the tests' fakes).
         kv_bytes = getattr(self.runner, "kv_bytes", None)
         self.kv_pool_summary = (describe_pool(self.max_model_len, kv_bytes, config.cache.kv_dtype)
                                 if kv_bytes else None)
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """Everything of the engine's own that requests change: the KV blocks, the queues, the
+        drafter's learning, the counters (the runner and the on-disk prefix cache stay)."""
+        block_size = self.config.cache.block_size
+        self.block_manager = BlockManager(
+            self.runner.n_ctx // block_size, block_size, self.runner.fingerprint, listener=self.runner,
+            prefix_source=_StoredPrefixes(self.prefix_store, self.runner) if self.prefix_store else None,
+        )
         # Sliding-window models drop cells as the window moves; a rollback could not restore
         # them, so they are never drafted for.
         self.drafter = None if getattr(self.runner, "n_swa", 0) else Drafter()
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
+        self.scheduler = Scheduler(self.config.scheduler, self.block_manager, self.max_model_len,
                                    proposer=self._propose if self.drafter is not None else None)
         self.sampler = Sampler()
         self._seqs: dict[str, Sequence] = {}
@@ -109,6 +115,16 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         self.num_tokens_generated = 0
         self.num_disk_cached_tokens = 0  # prompt tokens loaded from the on-disk prefix cache
+
+    def reset(self) -> None:
+        """Back to as the model was loaded, without loading it again: every request aborted,
+        the runner's KV storage emptied, the in-memory prefix cache, the drafter's learning and
+        the counters gone. The on-disk prefix cache stays, with its queued writes. The next
+        request is computed exactly as on a new engine (the same KV cells, the same blocks)."""
+        for request_id in list(self._seqs):
+            self.abort(request_id)
+        self.runner.reset()
+        self._init_state()
 
     # -- requests -----------------------------------------------------------------------
 

@@ -42,4 +42,8 @@ class ModelRunner(KVListener, Protocol):
     def seq_pos_range(self, seq_id: int) -> tuple[int, int] | None:
         """The (min, max) positions the storage holds for an active sequence, or None."""
 
+    def reset(self) -> None:
+        """Forget every sequence and empty the KV storage, as just loaded (LLMEngine.reset,
+        after every request has ended)."""
+
     def close(self) -> None: ...

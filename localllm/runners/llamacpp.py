@@ -437,12 +437,21 @@ class LlamaCppRunner:
         self.fingerprint = (f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|llamacpp {L.__version__}|"
                             f"{config.cache.kv_dtype}|fa {int(cparams.flash_attn_type)}|ngl {self.n_gpu_layers}").encode()
         self._init_batch()
+        self._init_slots()
+        self._first_byte_index: _FirstByteIndex | None = None  # built for the first grammar
+
+    def _init_slots(self) -> None:
         self._free_slots = list(range(self.n_slots - 1, -1, -1))
         self._active: dict[int, int] = {}  # seq_id -> slot
         self._holders: OrderedDict[int, list[int]] = OrderedDict()  # slot -> its block ids; LRU first
         self._owners: dict[int, set[int]] = {}  # block id -> slots holding its cells
         self._block_index: dict[int, int] = {}  # block id -> its position in its chain
-        self._first_byte_index: _FirstByteIndex | None = None  # built for the first grammar
+
+    def reset(self) -> None:
+        """Every cell emptied and its placement state with it (llama_memory_clear), so the next
+        sequence's cells lie where a new context puts them: llama.cpp's logits depend on that."""
+        L.llama_memory_clear(self.mem, True)
+        self._init_slots()
 
     def _init_batch(self) -> None:
         """A llama_batch whose arrays are numpy buffers, so a step fills them without a

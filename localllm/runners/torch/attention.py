@@ -115,6 +115,11 @@ class KVPool:
     def is_quantized(self) -> bool:
         return self.dtype == torch.int8
 
+    def zero_(self) -> None:
+        """Every position back to zeros, as allocated (key smoothing stays: it is the model's)."""
+        for t in self.k + self.v + self.k_scales + self.v_scales:
+            t.zero_()
+
     @property
     def nbytes(self) -> int:
         """The bytes the pool's tensors take (K, V and any scales), measured from their storage."""

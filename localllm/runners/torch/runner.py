@@ -219,6 +219,10 @@ class TorchRunner:
     def evict(self, block_id: int) -> None:
         pass
 
+    def reset(self) -> None:
+        self._lengths.clear()
+        self.pool.zero_()  # as allocated: nothing of earlier sequences is left to read
+
     # -- the on-disk prefix cache -------------------------------------------------------
 
     def export_kv(self, seq: Sequence, num_tokens: int) -> memoryview | None:
