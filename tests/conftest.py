@@ -11,6 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import test_models  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 
 def _model(name: str) -> Path:
     path = test_models.default_dest() / test_models.MODELS[name]["file"]
@@ -46,6 +48,16 @@ def _own_cache_folder(tmp_path_factory):
             os.environ.pop("XDG_CACHE_HOME", None)
         else:
             os.environ["XDG_CACHE_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def engines(_own_cache_folder):
+    """The session's shared engines (tests/engines.py): ``engines.get(path, runner, **config)``."""
+    from engines import EnginePool
+
+    pool = EnginePool()
+    yield pool
+    pool.close()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,7 +13,6 @@ from localllm.engine.engine import AsyncEngine, RequestOutput
 from localllm.engine.request import FinishReason, SamplingParams
 from localllm.errors import ContextOverflowError, UsageError
 
-from test_engine import make_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 LONG = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)  # runs until aborted
@@ -23,13 +22,11 @@ WAIT_S = 60
 
 
 @pytest.fixture(scope="module")
-def async_engine(qwen_path):
-    engine = make_engine(qwen_path)
-    async_engine = AsyncEngine(engine)
+def async_engine(engines, qwen_path):
+    async_engine = AsyncEngine(engines.get(qwen_path))
     yield async_engine
     async_engine.shutdown()
     assert not async_engine._thread.is_alive()
-    engine.close()
 
 
 @pytest.fixture(scope="module")

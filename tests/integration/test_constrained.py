@@ -13,7 +13,7 @@ from localllm.errors import UsageError
 from localllm.runners.llamacpp import JSON_OBJECT_GRAMMAR, json_schema_to_grammar
 from localllm.tools import parse_tool_calls
 
-from test_engine import long_text, make_engine
+from test_engine import SMALL, long_text
 
 PERSON = {
     "type": "object",
@@ -35,11 +35,9 @@ WEATHER_TOOL = {
 }
 
 
-@pytest.fixture(scope="module")
-def qwen(qwen_path):
-    engine = make_engine(qwen_path)
-    yield engine
-    engine.close()
+@pytest.fixture
+def qwen(engines, qwen_path):
+    return engines.get(qwen_path)
 
 
 def chat(engine, text: str, **kwargs) -> list[int]:
@@ -127,22 +125,19 @@ def test_first_byte_prefilter_equals_the_full_vocabulary_mask(qwen):
             full.free()
 
 
-def test_preempted_sequence_keeps_its_grammar_state(qwen_path):
-    engine = make_engine(qwen_path, n_ctx=512, batch_tokens=128, max_num_seqs=8)
-    try:
-        prompts = [long_text(engine.tokenizer, 100, seed=i)[:100] for i in range(6)]
-        params = SamplingParams(temperature=0.0, max_tokens=40,
-                                grammar='root ::= ("n" [0-9] [0-9]? "\\n"){30}')
-        outs = engine.generate(prompts, params)
-        assert engine.scheduler.num_preemptions > 0
-        for out in outs:
-            assert len(out.token_ids) == 40
-            assert re.fullmatch(r"(n[0-9]{1,2}\n)*(n[0-9]{0,2})?", out.text), out.text
-        alone = engine.generate([prompts[-1]], params)[0]
-        assert alone.token_ids == outs[-1].token_ids
-        assert not engine._constraints
-    finally:
-        engine.close()
+def test_preempted_sequence_keeps_its_grammar_state(engines, qwen_path):
+    engine = engines.get(qwen_path, **SMALL)
+    prompts = [long_text(engine.tokenizer, 100, seed=i)[:100] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=40,
+                            grammar='root ::= ("n" [0-9] [0-9]? "\\n"){30}')
+    outs = engine.generate(prompts, params)
+    assert engine.scheduler.num_preemptions > 0
+    for out in outs:
+        assert len(out.token_ids) == 40
+        assert re.fullmatch(r"(n[0-9]{1,2}\n)*(n[0-9]{0,2})?", out.text), out.text
+    alone = engine.generate([prompts[-1]], params)[0]
+    assert alone.token_ids == outs[-1].token_ids
+    assert not engine._constraints
 
 
 def test_tool_call_from_the_chat_template(qwen):
@@ -182,10 +177,7 @@ def test_fim_prompt_and_completion(qwen):
     assert "a + b" in out.text or "a+b" in out.text, out.text
 
 
-def test_fim_on_a_model_without_fim_tokens_is_refused(gemma_path):
-    engine = make_engine(gemma_path, n_ctx=512)
-    try:
-        with pytest.raises(UsageError, match="no fill-in-the-middle tokens"):
-            engine.tokenizer.encode_fim("def f():", "\n")
-    finally:
-        engine.close()
+def test_fim_on_a_model_without_fim_tokens_is_refused(engines, gemma_path):
+    engine = engines.get(gemma_path)
+    with pytest.raises(UsageError, match="no fill-in-the-middle tokens"):
+        engine.tokenizer.encode_fim("def f():", "\n")

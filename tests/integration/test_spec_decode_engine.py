@@ -68,12 +68,9 @@ def make_engine(path, runner: str, **config) -> LLMEngine:
                                   weights_cache_dir=paths.weights_cache_dir(), **config))
 
 
-@pytest.fixture(scope="module", params=runner_names())
-def engine(qwen_path, request):
-    engine = make_engine(qwen_path, request.param)
-    assert engine.runner.name == request.param
-    yield engine
-    engine.close()
+@pytest.fixture(params=runner_names())
+def engine(engines, qwen_path, request):
+    return engines.get(qwen_path, request.param)
 
 
 def chat(engine: LLMEngine, text: str) -> list[int]:
