@@ -60,6 +60,20 @@ def engines(_own_cache_folder):
     pool.close()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="run the statistical and long cases (marked heavy) at their full size, "
+                          "not the trimmed size the test command runs by default (docs/testing.md)")
+
+
+@pytest.fixture
+def full(request) -> bool:
+    """True under ``--full``: a case marked ``heavy`` takes its full size (more seeds, more
+    prompts, more requests), else its trimmed one, which asserts the same properties."""
+    assert request.node.get_closest_marker("heavy"), "the full fixture is for cases marked heavy"
+    return request.config.getoption("--full")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` run only where torch sees a CUDA device."""
     marked = [item for item in items if item.get_closest_marker("cuda")]

@@ -1,7 +1,9 @@
 """Speculative decoding in the real engine on the real Qwen2.5-Coder-0.5B file, on both runners:
 greedy output unchanged by drafting (single and batched; exactly so on the torch runner), the
 KV cache rolled back to exactly the accepted tokens, stops and limits inside an accepted run,
-and sampling that keeps the model's distribution (a chi-square test)."""
+and sampling that keeps the model's distribution (a chi-square test). The single-prompt and
+chi-square cases are marked heavy: the test command runs them trimmed (10 prompts, 320 seeds
+an arm), ``--full`` at full size (20 prompts, 640 seeds an arm)."""
 
 from __future__ import annotations
 
@@ -58,7 +60,12 @@ PROMPTS = [
     "Write a regular expression that matches an ISO date like 2024-05-17.",
     "Fix the bug: def add(a, b): return a - b",
 ]
+# The trimmed run's ten: the five where drafts are mostly right, and five with few or none.
+TRIMMED = PROMPTS[:5] + [PROMPTS[i] for i in (5, 8, 11, 15, 19)]
 MAX_TOKENS = 64
+# How far apart (nats) the plain run's choice and the drafted run's may be where they part:
+# 0.126 was seen on an AVX2-only EPYC (llama.cpp's AVX2 kernels), under 0.1 on AVX-512 ones.
+NEAR_TIE = 0.2
 
 
 def make_engine(path, runner: str, **config) -> LLMEngine:
@@ -113,7 +120,7 @@ def reference(engine: LLMEngine, prompts: list[list[int]]) -> list[tuple[list[in
 
 def same_or_near_tie(drafted: list[int], plain: list[int], tops: list) -> bool:
     """True when the outputs are identical. Otherwise they must part at a near-tie: the token
-    the drafted run took there was within 0.1 nats of the plain run's choice. llama.cpp
+    the drafted run took there was within NEAR_TIE nats of the plain run's choice. llama.cpp
     computes a position's logits slightly differently in a batch of 1 + k tokens than alone
     (as it does in a batch of other sequences' tokens, and with or without a cached prefix),
     so a near-tie can flip; anything else is a wrong acceptance."""
@@ -122,23 +129,25 @@ def same_or_near_tie(drafted: list[int], plain: list[int], tops: list) -> bool:
         assert len(drafted) == len(plain)
         return True
     logprobs = dict(tops[d])
-    assert tops[d][0][0] == plain[d] and logprobs[plain[d]] - logprobs.get(drafted[d], -1e9) < 0.1, \
+    assert tops[d][0][0] == plain[d] and logprobs[plain[d]] - logprobs.get(drafted[d], -1e9) < NEAR_TIE, \
         (d, tops[d], drafted[d])
     return False
 
 
-def test_greedy_output_is_the_same_with_drafting_forced_on_single(engine):
+@pytest.mark.heavy
+def test_greedy_output_is_the_same_with_drafting_forced_on_single(engine, full):
+    prompts = PROMPTS if full else TRIMMED
     num_same = proposed = accepted = 0
-    for text in PROMPTS:
+    for text in prompts:
         prompt = chat(engine, text)
         [(plain, tops)] = reference(engine, [prompt])
         [(drafted, m, _)] = generate(engine, [prompt], True, temperature=0.0, max_tokens=MAX_TOKENS)
         num_same += same_or_near_tie(drafted, plain, tops)
         proposed, accepted = proposed + m.num_draft_proposed, accepted + m.num_draft_accepted
     # llama.cpp: 15 of 20 on the 2-core EPYC where this was written; the torch runner computes
-    # a drafted position as it decodes it (see paged_attention), so all 20.
-    assert num_same >= (len(PROMPTS) if engine.runner.name == "torch" else 14)
-    assert accepted > 200 and proposed > accepted  # drafts were made, kept and rejected
+    # a drafted position as it decodes it (see paged_attention), so all of them.
+    assert num_same >= (len(prompts) if engine.runner.name == "torch" else -(-len(prompts) * 7 // 10))
+    assert accepted > 10 * len(prompts) and proposed > accepted  # drafts were made, kept and rejected
 
 
 def test_greedy_output_is_the_same_with_drafting_forced_on_batched(engine):
@@ -173,11 +182,12 @@ def test_stops_and_limits_inside_an_accepted_run_end_at_the_right_token(engine):
     assert not eos or full[-1] == eos[0]  # EOS ends the run like any decode step
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("runner", runner_names())
-def test_sampling_with_drafts_keeps_the_models_distribution(qwen_path, runner):
+def test_sampling_with_drafts_keeps_the_models_distribution(qwen_path, runner, full):
     """The second and third sampled tokens (a separator and the second color: the draft
     guesses what followed the first color in the prompt), with drafting forced on and off,
-    over 640 seeds each: a two-sample chi-square test on their joint counts must not reject
+    over 640 seeds each (320 trimmed): a two-sample chi-square test on their joint counts must not reject
     (p > 0.001). The prompt is a random list of a few colors, so drafts from it are often
     right and often wrong. (The same seeds give mostly the same draws both ways: a verify
     step takes each row's token with the draw plain sampling would use.)"""
@@ -189,7 +199,7 @@ def test_sampling_with_drafts_keeps_the_models_distribution(qwen_path, runner):
     accepted = rejected = 0
     for speculative in (False, True):
         counts[speculative] = {}
-        for batch in range(10):
+        for batch in range(10 if full else 5):
             seqs = [engine.add_request(prompt, SamplingParams(seed=1000 * batch + i, speculative=speculative, **params))
                     for i in range(64)]
             while engine.has_unfinished:
