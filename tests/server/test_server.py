@@ -156,23 +156,37 @@ def test_chat(client, model_id):
 def test_chat_stream_matches_non_streaming(client, model_id):
     # Both compared requests find the prompt's blocks cached: greedy text computed over a cached
     # prefix may differ from a cold prefill's in its last float bits (and so, rarely, in a token).
+    # Drafting is on, and how far it drafts follows measured step times; llama.cpp computes a
+    # position slightly differently in a verify batch than alone, so the two answers may part,
+    # but only at a near-tie (as in tests/integration/test_spec_decode_engine.py).
     client.chat.completions.create(model=model_id, messages=HAIKU, temperature=0, max_tokens=1)
-    whole = client.chat.completions.create(model=model_id, messages=HAIKU, temperature=0, max_tokens=24)
+    whole = client.chat.completions.create(model=model_id, messages=HAIKU, temperature=0, max_tokens=24,
+                                           logprobs=True, top_logprobs=2)
     chunks = list(client.chat.completions.create(model=model_id, messages=HAIKU, temperature=0, max_tokens=24,
+                                                 logprobs=True, top_logprobs=2,
                                                  stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == whole.choices[0].message.content
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert "".join(t.token for t in streamed) == text  # every token's text arrived, once, in order
+    same = text == whole.choices[0].message.content
+    if not same:
+        plain = whole.choices[0].logprobs.content
+        d = next(i for i, (a, b) in enumerate(zip(streamed, plain)) if a.token != b.token)
+        tops = {t.token: t.logprob for t in plain[d].top_logprobs}
+        assert streamed[d].token in tops and plain[d].logprob - tops[streamed[d].token] < 0.2, (d, tops)
     assert text  # a stream of nothing would match an empty answer
     finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason is not None]
     assert len(finishing) == 1
-    assert finishing[0].choices[0].finish_reason == whole.choices[0].finish_reason
     assert all(c.usage is None for c in chunks[:-1])
     last = chunks[-1]
     assert last.choices == []
     assert last.usage.prompt_tokens == whole.usage.prompt_tokens
-    assert last.usage.completion_tokens == whole.usage.completion_tokens
+    assert last.usage.completion_tokens == len(streamed)
+    if same:
+        assert finishing[0].choices[0].finish_reason == whole.choices[0].finish_reason
+        assert last.usage.completion_tokens == whole.usage.completion_tokens
     assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
 
 
