@@ -90,6 +90,10 @@ class Tmux:
 @pytest.fixture
 def tmux():
     server = Tmux(f"localllm-test-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    # The server outlives its sessions: by default it exits with its last one, and a session
+    # started just after a kill-session could reach it while it exits ("server exited
+    # unexpectedly", seen once in a full run).
+    server("start-server", ";", "set-option", "-g", "exit-empty", "off")
     try:
         yield server
     finally:
