@@ -220,18 +220,21 @@ def test_preemption_recomputes_and_finishes(engines, qwen_path, runner):
     assert_idle_and_in_step(engine)
 
 
-def test_reset_leaves_nothing_behind(engines, qwen_path, runner):
+@pytest.mark.parametrize("model, runner", [("qwen", r) for r in runner_names()] + [("gemma", "llamacpp")])
+def test_reset_leaves_nothing_behind(engines, model, runner, request):
     """What the shared engines rest on: after a reset in the middle of everything (requests
     waiting, prefilling and decoding, a grammar, cached prefixes, drafts learned), the engine
-    holds nothing and answers exactly as a newly loaded one, logprobs bit for bit."""
+    holds nothing and answers exactly as a newly loaded one, logprobs bit for bit. On both
+    runners, and on Gemma 3's sliding-window cache (llama.cpp keeps it apart)."""
+    path = request.getfixturevalue(f"{model}_path")
     probe = lambda e: e.generate(["def add(a, b):"], SamplingParams(temperature=0.0, max_tokens=12, logprobs=True,
                                                                     top_logprobs=3))[0]
-    new = make_engine(qwen_path, runner=runner)
+    new = make_engine(path, runner=runner)
     try:
         want = probe(new)
     finally:
         new.close()
-    engine = engines.get(qwen_path, runner)
+    engine = engines.get(path, runner)
     prefix = long_text(engine.tokenizer, 300, seed=5)
     engine.generate([prefix + engine.tokenizer.encode("# a\n")], SamplingParams(temperature=0.0, max_tokens=8))
     for i in range(6):
