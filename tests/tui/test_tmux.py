@@ -131,6 +131,21 @@ def messages(pane: str) -> list[tuple[str, list[str]]]:
     return out
 
 
+def settled(tmux: Tmux, session: str, timeout_s: float = 10) -> str:
+    """The screen once its messages stop changing: the status bar can say ready a frame before
+    the answer's last Markdown render reaches the screen (a run read "2 plus" of "2 plus 2
+    equals 4")."""
+    pane = tmux.capture(session)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(4 * POLL_S)
+        again = tmux.capture(session)
+        if messages(again) == messages(pane):
+            return again
+        pane = again
+    raise AssertionError(f"the messages still changed {timeout_s} s later; the screen:\n{pane}")
+
+
 def words(text: str) -> list[str]:
     """Words, so Markdown's rendering (emphasis, bullets, wrapping) does not matter."""
     return re.findall(r"\w+", text)
@@ -192,14 +207,16 @@ def test_chat_stop_quit_and_resume_in_tmux(tmux, tmp_path, qwen_path):
     pane = wait_for(tmux, "chat", "the status bar to say ready", state_is("ready"), READY_TIMEOUT_S)
     print(f"\nready {time.monotonic() - spawned:.1f} s after the spawn")
     assert status(pane)["ttft"] == "-" and status(pane)["prompt"] == "-"  # no answer yet
-    # The loaded model's KV cache is announced in a notice over the messages' corner.
-    assert "KV cache: 4,096 tokens (48 MiB, f16)" in pane
+    # The loaded model's KV cache is announced in a notice over the messages' corner (it can
+    # reach the screen a frame after the status bar says ready).
+    wait_for(tmux, "chat", "the KV-cache notice", lambda p: "KV cache: 4,096 tokens (48 MiB, f16)" in p, 5)
     wait_for(tmux, "chat", "the KV-cache notice to go", lambda p: "KV cache:" not in p, NOTICE_TIMEOUT_S)
 
     # 2. A short question: the answer shows, and the status bar gets its figures.
     tmux.type("chat", QUESTION)
-    pane = wait_for(tmux, "chat", "the first answer to finish",
-                    lambda p: state_is("ready")(p) and status(p)["ttft"] != "-", ANSWER_TIMEOUT_S)
+    wait_for(tmux, "chat", "the first answer to finish",
+             lambda p: state_is("ready")(p) and status(p)["ttft"] != "-", ANSWER_TIMEOUT_S)
+    pane = settled(tmux, "chat")
     first = status(pane)
     assert re.fullmatch(r"\d+ ms", first["ttft"]) and re.fullmatch(r"\d+\.\d", first["speed"]), first
     assert number(first["cached"]) == 0  # nothing was cached before the first turn
@@ -224,7 +241,7 @@ def test_chat_stop_quit_and_resume_in_tmux(tmux, tmp_path, qwen_path):
     pane = wait_for(tmux, "chat", "'■ stopped' and the state back to ready",
                     lambda p: "■ stopped" in p and state_is("ready")(p), STOP_TIMEOUT_S)
     print(f"ready {time.monotonic() - pressed:.1f} s after Escape")
-    stopped_answer = " ".join(messages(pane)[-1][1])
+    stopped_answer = " ".join(messages(settled(tmux, "chat"))[-1][1])
     # The stopped request gave its KV blocks back (the engine figures are polled each second).
     wait_for(tmux, "chat", "the KV cache in use to drop to 0%",
              lambda p: (m := KV_USED.match(status(p)["kv"] or "")) is not None and m.group(1) == "0", 10)
@@ -279,8 +296,9 @@ def test_chat_stop_quit_and_resume_in_tmux(tmux, tmp_path, qwen_path):
 
     tmux.type("resume", FOLLOW_UP)
     # The state reads "answering" until the answer is saved, and the new prompt is longer.
-    pane = wait_for(tmux, "resume", "the answer after resuming to finish",
-                    lambda p: state_is("ready")(p) and status(p)["prompt"] != before["prompt"], ANSWER_TIMEOUT_S)
+    wait_for(tmux, "resume", "the answer after resuming to finish",
+             lambda p: state_is("ready")(p) and status(p)["prompt"] != before["prompt"], ANSWER_TIMEOUT_S)
+    pane = settled(tmux, "resume")
     shown = messages(pane)
     assert shown[-2] == ("You", [FOLLOW_UP]) and shown[-1][0] == "Assistant", pane
     last_answer = " ".join(shown[-1][1])
