@@ -303,11 +303,17 @@ def test_not_a_usable_model(tmp_path, kvs, problem):
 
 
 def test_every_truncation_is_reported(tmp_path):
-    """Cut a valid file at every length: each cut is one ModelLoadError saying it is truncated."""
+    """Cut a valid file at every length up to the tensor data, and at every 7th length and the
+    last 64 in the data (cuts there all fail the same check, that the data ends before the last
+    tensor's end): each cut is one ModelLoadError saying it is truncated."""
     data = write_tiny(tmp_path / "tiny.gguf").read_bytes()
     assert read_info(tmp_path / "tiny.gguf").parameters == TINY_PARAMETERS
     last_tensor_end = len(data)  # the file ends right after the last tensor's data
-    for n in range(1, last_tensor_end):
+    tables_end = data.index(b"\0" * 32) + 64  # past the header, KV section and tensor table
+    assert tables_end < last_tensor_end - 64
+    cuts = sorted({*range(1, tables_end), *range(tables_end, last_tensor_end, 7),
+                   *range(last_tensor_end - 64, last_tensor_end)})
+    for n in cuts:
         path = write(tmp_path, data[:n], "cut.gguf")
         message = load_error(path)
         assert "truncated" in message or "more than" in message, (n, message)
