@@ -1,5 +1,5 @@
 """Crash consistency of `localllm pull`: a pull of a two-part model from the fake hub (over a
-slow link) is killed with SIGKILL at random moments, 20 times. After each kill every file in
+slow link) is killed with SIGKILL at random moments, 10 times (20 under --full). After each kill every file in
 the Hugging Face cache and the data folder is complete and verified (a blob's bytes hash to its
 name, a snapshot link leads to such a blob, refs/main names the commit, models.json parses and
 lists only whole models) or is a partial download under a name nothing reads (blobs/*.incomplete,
@@ -19,13 +19,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from fake_hub import tiny_gguf
 
 from localllm.cli import main
 
 REPO = "acme/crash-GGUF"
 NAME = f"hf.co/{REPO}:Q4_K_M"
-RUNS = 20
 MiB = 1 << 20
 PARTS = {f"crash-Q4_K_M-0000{i + 1}-of-00002.gguf": tiny_gguf(6 * MiB, 10 + i, split=(i, 2)) for i in range(2)}
 SHAS = {hashlib.sha256(data).hexdigest(): data for data in PARTS.values()}
@@ -98,7 +99,9 @@ def check_recorded(models: list[dict]) -> bool:
     return True
 
 
-def test_sigkill_at_random_moments_of_a_pull(hub_env, capsys):
+@pytest.mark.heavy
+def test_sigkill_at_random_moments_of_a_pull(hub_env, capsys, full):
+    runs = 20 if full else 10
     commit = hub_env.hub.add_repo(REPO, PARTS).commit
     for name in PARTS:
         hub_env.hub.file(REPO, name).chunk_delay_s = 0.04  # about 0.25 s a part on the wire
@@ -117,7 +120,7 @@ def test_sigkill_at_random_moments_of_a_pull(hub_env, capsys):
 
     rng = random.Random(20261130)
     stages = []
-    for run in range(RUNS):
+    for run in range(runs):
         start = len(hub_env.hub.requests)
         proc = start_pull()
         deadline = time.monotonic() + 120
@@ -125,7 +128,7 @@ def test_sigkill_at_random_moments_of_a_pull(hub_env, capsys):
             assert time.monotonic() < deadline, "the pull never reached the hub"
             time.sleep(0.002)
         # Stratified: kill k lands in the k-th twentieth of 0.8 of a whole pull's time.
-        time.sleep(window * 0.8 * (run + rng.random()) / RUNS)
+        time.sleep(window * 0.8 * (run + rng.random()) / runs)
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
 
