@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: installs localllm and its test needs into .venv, assembles the real
 # GGUF test models (sha256-checked, cached in ~/.cache/localllm-test-models), runs pytest.
-# Extra arguments go to pytest, e.g. `scripts/test.sh tests/unit -q`.
+# Extra arguments go to pytest, e.g. `scripts/test.sh tests/unit -q` (`--full`: the heavy cases at
+# full size, docs/testing.md); the 25 slowest cases are listed at the end of every run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -18,7 +19,7 @@ if ! command -v tmux >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get
 fi
 export LOCALLLM_REQUIRE_MODELS=1
 set +e
-.venv/bin/python -m pytest "${@:--q}"
+.venv/bin/python -m pytest "${@:--q}" --durations=25
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
