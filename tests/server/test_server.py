@@ -480,10 +480,10 @@ def test_disconnected_stream_frees_its_blocks(live_server, http, model_id):
 
 @pytest.mark.heavy
 def test_many_cancelled_streams_leave_the_server_clean(live_server, http, client, model_id, full):
-    """Streams left after 0 to 10 chunks (60 in the test command's run, 200 under --full), eight
+    """Streams left after 0 to 10 chunks (40 in the test command's run, 200 under --full), eight
     at a time; test_cancel_storm.py covers the other moments a client can leave."""
     rng = random.Random(20240607)
-    plan = [rng.randint(0, 10) for _ in range(200 if full else 60)]
+    plan = [rng.randint(0, 10) for _ in range(200 if full else 40)]
     log_before = live_server.log()
 
     async def one(c: httpx.AsyncClient, gate: asyncio.Semaphore, i: int, num_chunks: int) -> int:
