@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localllm.config import CacheConfig, EngineConfig, SchedulerConfig
 from localllm.engine.engine import LLMEngine
 from localllm.engine.request import SamplingParams
 
@@ -66,13 +65,6 @@ MAX_TOKENS = 64
 # How far apart (nats) the plain run's choice and the drafted run's may be where they part:
 # 0.126 was seen on an AVX2-only EPYC (llama.cpp's AVX2 kernels), under 0.1 on AVX-512 ones.
 NEAR_TIE = 0.2
-
-
-def make_engine(path, runner: str, **config) -> LLMEngine:
-    from localllm import paths
-
-    return LLMEngine(EngineConfig(model_path=path, cache=CacheConfig(n_ctx=8192), n_threads=2, runner=runner,
-                                  weights_cache_dir=paths.weights_cache_dir(), **config))
 
 
 @pytest.fixture(params=runner_names())
@@ -184,14 +176,14 @@ def test_stops_and_limits_inside_an_accepted_run_end_at_the_right_token(engine):
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("runner", runner_names())
-def test_sampling_with_drafts_keeps_the_models_distribution(qwen_path, runner, full):
+def test_sampling_with_drafts_keeps_the_models_distribution(engines, qwen_path, runner, full):
     """The second and third sampled tokens (a separator and the second color: the draft
     guesses what followed the first color in the prompt), with drafting forced on and off,
     over 640 seeds each (192 trimmed): a two-sample chi-square test on their joint counts must not reject
     (p > 0.001). The prompt is a random list of a few colors, so drafts from it are often
     right and often wrong. (The same seeds give mostly the same draws both ways: a verify
     step takes each row's token with the draw plain sampling would use.)"""
-    engine = make_engine(qwen_path, runner, scheduler=SchedulerConfig(max_num_seqs=64))
+    engine = engines.get(qwen_path, runner, n_ctx=8192, max_num_seqs=64)
     prompt = chat(engine, "Continue this list of random colors, one per line, with 20 more:\n"
                           "red\nblue\ngreen\nred\ngreen\nblue\nblue\nred\ngreen\nyellow\nred")
     params = dict(temperature=1.0, top_k=4, max_tokens=4)
@@ -209,7 +201,6 @@ def test_sampling_with_drafts_keeps_the_models_distribution(qwen_path, runner, f
                 counts[speculative][key] = counts[speculative].get(key, 0) + 1
                 accepted += s.num_draft_accepted
                 rejected += s.num_draft_proposed - s.num_draft_accepted
-    engine.close()
     assert accepted > 30 and rejected > 30  # both branches of the rule were taken
     keys = sorted(set(counts[False]) | set(counts[True]))
     table = np.array([[counts[s].get(k, 0) for k in keys] for s in (False, True)])  # (2, outcomes)
