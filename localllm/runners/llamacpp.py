@@ -65,6 +65,15 @@ def check_gguf(path: Path) -> None:
     check_model(path)
 
 
+def amx_compiled_in() -> bool:
+    """Whether this llama.cpp build has ggml's AMX kernels (a native build on an Intel Xeon of
+    the Sapphire Rapids kind or later). Those crash the process at the first matmul in the
+    llama.cpp that llama-cpp-python 0.3.36 carries (a general protection fault at ldtilecfg:
+    the tile configuration is built on the stack and optimized away; llama.cpp issue 20824,
+    fix proposed in PR 26954), on every thread count."""
+    return b"AMX_INT8 = 1" in L.llama_print_system_info()
+
+
 # ggml_backend_dev_type, in ggml-backend.h's order.
 _DEVICE_TYPES = ("CPU", "GPU", "IGPU", "ACCEL", "META")
 
@@ -369,6 +378,11 @@ class LlamaCppRunner:
         self.block_size = config.cache.block_size
         self.max_batch = config.scheduler.max_num_batched_tokens
         mparams = L.llama_model_default_params()
+        if amx_compiled_in():
+            # Weights stay in plain CPU buffers, never repacked for the AMX kernels, so those
+            # never run (this also forgoes the AVX repacking of the same extra buffers).
+            mparams.use_extra_bufts = False
+        self.extra_bufts = bool(mparams.use_extra_bufts)
         gpu = L.llama_supports_gpu_offload()
         mparams.n_gpu_layers = (999 if config.n_gpu_layers < 0 else config.n_gpu_layers) if gpu else 0
         self.model = L.llama_model_load_from_file(str(path).encode(), mparams)

@@ -86,6 +86,15 @@ def test_code_completion_is_sensible(qwen):
     assert out.finish_reason == "length" and len(out.token_ids) == 48
 
 
+def test_a_build_with_amx_kernels_never_runs_them(qwen_llamacpp):
+    """llama.cpp's AMX kernels crash at their first matmul (a native build on a Sapphire
+    Rapids Xeon): the runner keeps the weights out of the buffers that would send them there.
+    On every other build the repacked buffers stay on, and the answer above is the check."""
+    from localllm.runners.llamacpp import amx_compiled_in
+
+    assert qwen_llamacpp.runner.extra_bufts is not amx_compiled_in()
+
+
 def test_chat_answer_is_sensible(qwen):
     prompt = qwen.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}])
