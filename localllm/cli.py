@@ -12,6 +12,8 @@ from localllm.errors import LocalLLMError, UsageError
 
 CTX_HELP = ("tokens of KV cache, shared by all conversations (default: what fits in free memory, "
             "up to the model's trained context)")
+THREADS_HELP = ("CPU threads, fixed (default: chosen for each step from the machine's load, "
+                "up to the physical cores)")
 
 
 def _red(text: str) -> str:
@@ -93,7 +95,7 @@ def _add_runner(p: argparse.ArgumentParser) -> None:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a .gguf path, an installed name (`localllm ls`) or a catalog alias you pulled")
     p.add_argument("--ctx", type=_positive_int, default=None, help=CTX_HELP)
-    p.add_argument("--threads", type=_nonneg_int, default=0, help="CPU threads (default: physical cores)")
+    p.add_argument("--threads", type=_nonneg_int, default=0, help=THREADS_HELP)
     p.add_argument("--batch-tokens", type=_positive_int, default=None,
                    help="step token budget: larger lowers a long prompt's TTFT, smaller keeps "
                         "other streams' token gaps short (default 256)")
@@ -153,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=_int_at_least(0), default=64,
                        help="requests that may wait beyond --parallel before new ones get a 503")
     serve.add_argument("--ctx", type=_positive_int, default=None, help=CTX_HELP)
-    serve.add_argument("--threads", type=_nonneg_int, default=0, help="CPU threads (default: physical cores)")
+    serve.add_argument("--threads", type=_nonneg_int, default=0, help=THREADS_HELP)
     serve.add_argument("--batch-tokens", type=_positive_int, default=None, help="step token budget (default 256)")
     serve.add_argument("--parallel", type=_positive_int, default=None, help="most sequences run at once (default 16)")
     serve.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all, 0: none)")
@@ -178,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--top-p", type=_number, default=0.95)
     chat.add_argument("--max-tokens", type=_positive_int, default=2048)
     chat.add_argument("--ctx", type=_positive_int, default=None, help=CTX_HELP)
-    chat.add_argument("--threads", type=_nonneg_int, default=0, help="CPU threads (default: physical cores)")
+    chat.add_argument("--threads", type=_nonneg_int, default=0, help=THREADS_HELP)
     chat.add_argument("--gpu-layers", type=int, default=-1, help="layers to offload to a GPU (-1: all, 0: none)")
     _add_runner(chat)
     _add_kv_dtype(chat)

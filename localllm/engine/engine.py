@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from localllm.config import EngineConfig
+from localllm.config import EngineConfig, physical_cores
 from localllm.engine.block_manager import BlockManager
 from localllm.engine.metrics import EngineStats, RequestMetrics
 from localllm.engine.request import FinishReason, SamplingParams, Sequence
 from localllm.engine.sampler import Sampler, top_logprobs
 from localllm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from localllm.engine.spec_decode import Drafter
+from localllm.engine.threads import ThreadChooser
 from localllm.errors import LocalLLMError, UsageError
 from localllm.memory import describe_pool
 from localllm.runners.base import Constraint, ModelRunner
@@ -89,6 +90,12 @@ class LLMEngine:
         kv_bytes = getattr(self.runner, "kv_bytes", None)
         self.kv_pool_summary = (describe_pool(self.max_model_len, kv_bytes, config.cache.kv_dtype)
                                 if kv_bytes else None)
+        # The CPU threads of each step (engine/threads.py): what the machine gives now, or the
+        # count --threads fixes. None where the CPU does not compute the steps (a GPU) or the
+        # runner has no count to set. It outlives reset(): it learns the machine, not requests.
+        self.threads: ThreadChooser | None = None
+        if getattr(self.runner, "uses_cpu_threads", False):
+            self.threads = ThreadChooser(config.n_threads or physical_cores(), fixed=config.n_threads or None)
         self._init_state()
 
     def _init_state(self) -> None:
@@ -175,13 +182,22 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         out = self.last_step = self.scheduler.schedule()
+        num_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        decode_only = all(s.num_new_tokens == 1 + s.num_draft_tokens and s.needs_logits for s in out.scheduled)
+        kind = "decode" if decode_only else "prefill"
+        threads = None
+        if self.threads is not None and num_tokens:
+            threads = self.threads.pick(kind, num_tokens)
+            if threads != self.runner.threads:
+                self.runner.set_threads(threads)
         logits = self.runner.execute(out)
         outputs = self._update(out, logits)
-        if self.drafter is not None:  # what this step's size costs on this machine
-            self.drafter.cost.record(
-                sum(s.num_new_tokens for s in out.scheduled), time.perf_counter() - start,
-                decode_only=all(s.num_new_tokens == 1 + s.num_draft_tokens and s.needs_logits
-                                for s in out.scheduled))
+        seconds = time.perf_counter() - start
+        if threads is not None:
+            self.threads.record(kind, threads, num_tokens, seconds)
+        # What this step's size costs on this machine, at the count steps run on (not a probe's).
+        if self.drafter is not None and (threads is None or threads == self.threads.current(kind)):
+            self.drafter.cost.record(num_tokens, seconds, decode_only=decode_only)
         return outputs
 
     def _update(self, out: SchedulerOutput, logits) -> list[RequestOutput]:
@@ -373,6 +389,10 @@ class LLMEngine:
             num_draft_accepted=self.num_draft_accepted,
             num_disk_cached_tokens=self.num_disk_cached_tokens,
             num_runner_seqs=getattr(self.runner, "num_active_slots", 0),
+            threads_decode=self.threads.current("decode") if self.threads else 0,
+            threads_prefill=self.threads.current("prefill") if self.threads else 0,
+            threads_max=self.threads.max_threads if self.threads else 0,
+            threads_adaptive=bool(self.threads and self.threads.adaptive),
         )
 
     def close(self) -> None:

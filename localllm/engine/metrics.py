@@ -71,6 +71,13 @@ class EngineStats:
     # Sequences the runner holds KV storage for (llama.cpp's active slots); a runner that keeps
     # no per-sequence state reports 0. With no request left it must be 0, or storage leaked.
     num_runner_seqs: int = 0
+    # CPU threads steps run on now (engine/threads.py), for decode and for prefill; the most the
+    # engine may use; whether it adapts them to the machine's load (not --threads N). All 0 /
+    # False where the CPU does not compute the steps (a GPU).
+    threads_decode: int = 0
+    threads_prefill: int = 0
+    threads_max: int = 0
+    threads_adaptive: bool = False
 
     @property
     def kv_usage(self) -> float:

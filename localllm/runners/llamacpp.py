@@ -397,6 +397,8 @@ class LlamaCppRunner:
                 f"architecture this llama.cpp does not know; download it again"
             )
         self.n_swa = L.llama_model_n_swa(self.model)
+        # Whether the CPU computes the layers (some or all): then the engine chooses the threads.
+        self.uses_cpu_threads = self.n_gpu_layers < L.llama_model_n_layer(self.model)
         # Slots: the running sequences, plus as many holders of cached prefixes again, twice.
         self.max_active = config.scheduler.max_num_seqs
         self.n_slots = min(256, 3 * self.max_active)
@@ -404,7 +406,7 @@ class LlamaCppRunner:
         cparams.n_ctx = config.cache.n_ctx
         cparams.n_batch = cparams.n_ubatch = self.max_batch
         cparams.n_seq_max = self.n_slots
-        cparams.n_threads = cparams.n_threads_batch = config.threads
+        cparams.n_threads = cparams.n_threads_batch = self.threads = config.threads
         cparams.kv_unified = True
         cparams.no_perf = True
         if config.cache.kv_dtype == "f32":
@@ -460,6 +462,11 @@ class LlamaCppRunner:
         self._holders: OrderedDict[int, list[int]] = OrderedDict()  # slot -> its block ids; LRU first
         self._owners: dict[int, set[int]] = {}  # block id -> slots holding its cells
         self._block_index: dict[int, int] = {}  # block id -> its position in its chain
+
+    def set_threads(self, n: int) -> None:
+        """Run the next steps on n CPU threads (one step of 1 token and a batch alike)."""
+        L.llama_set_n_threads(self.ctx, n, n)
+        self.threads = n
 
     def reset(self) -> None:
         """Every cell emptied and its placement state with it (llama_memory_clear), so the next

@@ -102,7 +102,10 @@ class TorchRunner:
         path = Path(config.model_path)
         config, self.kv_plan = memory.sized(config, self.name)  # before anything is allocated
         self.device = device or pick_device()
-        if self.device.type == "cpu" and config.threads:
+        # On the CPU the engine chooses the threads of each step (set_threads): torch's own
+        # kernels and the native ones (which run on torch's OpenMP threads) follow the count.
+        self.uses_cpu_threads = self.device.type == "cpu"
+        if self.uses_cpu_threads and config.threads:
             torch.set_num_threads(config.threads)
         self.vocab_file = VocabFile(path)
         self.vocab = self.vocab_file.vocab
@@ -253,6 +256,14 @@ class TorchRunner:
     def num_active_slots(self) -> int:
         """Sequences the runner holds KV positions for (released ones are forgotten)."""
         return len(self._lengths)
+
+    @property
+    def threads(self) -> int:
+        """The CPU threads a step runs on (torch's count is one per process)."""
+        return torch.get_num_threads()
+
+    def set_threads(self, n: int) -> None:
+        torch.set_num_threads(n)
 
     def close(self) -> None:
         self.pool = None

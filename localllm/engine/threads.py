@@ -1,0 +1,266 @@
+"""ThreadChooser: how many CPU threads each engine step runs on, chosen from what steps cost now.
+
+A laptop is never idle. When another program holds a core, a step that runs on every core
+waits for the thread the scheduler put aside: llama.cpp's workers spin at each barrier for the
+slowest of them, and on a 2-core machine with two busy processes that made decode 16 times
+slower than one thread would have been (docs/benchmarks.md, "A busy machine"). No fixed count
+is right: on an idle machine every physical core is fastest, on a busy one fewer are.
+
+So the engine times its own steps and moves. Decode and prefill are judged apart (decode is
+bound by memory, prefill by compute, and their best counts differ), each an ``_Arm`` holding
+the count in use and, per count and step size (a power-of-two bucket of tokens, as the
+drafter's StepCost keeps them), the recent seconds a step took. Now and then the arm runs a
+step on a neighbouring count, a *probe*: if that count is faster by ``DRIFT`` on that step,
+or by ``MARGIN`` on it and on a second one, it becomes the count in use. A probe compares with
+a step time of the count in use from since the load last moved, or no older than ``STALE``.
+It comes
+
+- soon, when the arm's steps got markedly slower or faster than at its last decision (load
+  came or went: ``DRIFT``), on that arm and the other alike (to more threads only once the
+  last probe of that count is paid for, or ``FLOOR_UNSEEN`` passed where idle CPUs are unknown);
+- soon, upward, when CPUs sit idle while the arm runs on fewer than it may (load went; read
+  from /proc/stat where the system has it);
+- first after ``FIRST_STEPS`` steps (the load may be there from the start), then on a timer
+  per count that doubles after each probe that lost, up to ``MAX_GAP``, and is never shorter
+  than keeps what lost probes cost under ``COST_SHARE`` of the time.
+
+On an idle machine that is a probe a half minute or so, a step or two at a neighbouring
+count: nothing measurable. A fixed count (``--threads N``) turns all of it off.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+KINDS = ("decode", "prefill")
+MARGIN = 0.06  # a probed count must be this much faster (both steps) to be moved to
+DRIFT = 0.3  # the arm's step time moved this far from its last decision: probe now
+FIRST_STEPS = 4  # steps on the count in use before a neighbour is first tried
+MIN_GAP = 0.5  # seconds: the first wait before probing a count again
+MAX_GAP = 30.0  # seconds: the longest wait between timer probes of one count
+COST_SHARE = 0.02  # lost probes may cost this share of the time, at most
+STALE = 2.0  # seconds: an older step time is replaced by a new one, not averaged with it
+ALPHA = 0.3  # weight of a new step in a count's recent step time
+SPARE_CPUS = 0.75  # idle CPUs beyond this, with room above the count in use: probe upward
+SPARE_EVERY = 0.5  # seconds between reads of the CPUs' idle time
+FLOOR_UNSEEN = 10.0  # seconds: the longest a lost probe holds off faster steps' probes without idle CPU readings
+
+
+def bucket(num_tokens: int) -> int:
+    """0 for 1 token, 1 for 2, 2 for 3-4, 3 for 5-8, ...: ceil(log2(num_tokens))."""
+    return (max(1, num_tokens) - 1).bit_length()
+
+
+@dataclass
+class _Probe:
+    count: int
+    ratios: list[float] = field(default_factory=list)  # probe step time / the count in use's
+    extra: float = 0.0  # seconds the probe's steps took beyond what the count in use would have
+
+
+@dataclass
+class _Arm:
+    current: int
+    recent: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # (count, bucket) -> (s, when)
+    ref: dict[int, float] = field(default_factory=dict)  # bucket -> the current count's step time at the last decision
+    gap: dict[int, float] = field(default_factory=dict)  # count -> seconds before it is probed again
+    # count -> before this, faster steps do not bring a probe of it, idle CPUs do: what its
+    # last probe lost, paid for at COST_SHARE (on a busy machine the step times of the count
+    # in use wander, and a probe of more threads there can cost a second a step); at most
+    # FLOOR_UNSEEN where idle CPUs cannot be read (they would be the sign the load went)
+    floor: dict[int, float] = field(default_factory=dict)
+    due: dict[int, float] = field(default_factory=dict)  # count -> when it may be probed next
+    probe: _Probe | None = None
+    last_probe: float = float("-inf")
+    steps: int = 0  # steps on the count in use since it became the count in use
+    num_probes: int = 0
+    num_moves: int = 0
+
+
+class ThreadChooser:
+    """Decides the thread count of each step. The engine asks ``pick(kind, num_tokens)``
+    before a step and tells ``record(kind, threads, num_tokens, seconds)`` after it.
+
+    max_threads: the most it uses (the physical cores); fixed: a count to keep (``--threads``),
+    or None to adapt. clock and spare_cpus are the outside world, replaceable in tests:
+    spare_cpus() returns how many CPUs sat idle since its last call, or None where unknown.
+    """
+
+    def __init__(self, max_threads: int, fixed: int | None = None, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 spare_cpus: Callable[[], float | None] | None = None):
+        if max_threads < 1:
+            raise ValueError(f"max_threads {max_threads} must be at least 1")
+        self.max_threads = max_threads
+        self.fixed = fixed
+        self.clock = clock
+        self.spare_cpus = spare_cpus if spare_cpus is not None else IdleCpus()
+        self._arms = {kind: _Arm(current=fixed or max_threads) for kind in KINDS}
+        self._spare_checked = float("-inf")
+        self._load_moved = float("-inf")  # when a step last showed the load moved
+        self._spare_known = False  # whether idle CPUs have been read here
+
+    @property
+    def adaptive(self) -> bool:
+        return self.fixed is None
+
+    def current(self, kind: str) -> int:
+        """The count steps of this kind run on now (probes aside)."""
+        return self._arms[kind].current
+
+    def counters(self, kind: str) -> tuple[int, int]:
+        """(probes run, moves made) of one kind of step."""
+        arm = self._arms[kind]
+        return arm.num_probes, arm.num_moves
+
+    # -- before a step ---------------------------------------------------------------------
+
+    def pick(self, kind: str, num_tokens: int) -> int:
+        arm = self._arms[kind]
+        if self.fixed is not None:
+            return self.fixed
+        if arm.probe is not None:
+            return arm.probe.count
+        now = self.clock()
+        b = bucket(num_tokens)
+        base = arm.recent.get((arm.current, b))
+        if (base is None or (base[1] < self._load_moved and now - base[1] > STALE)
+                or now - arm.last_probe < MIN_GAP / 2):
+            return arm.current  # no time to compare a probe with (none since the load moved), or one just ended
+        self._check_spare(arm, now)
+        # A neighbour not tried yet is tried after FIRST_STEPS steps on the count in use (the
+        # load may be there from the start); after that, when its timer says (or the load moves).
+        due = [c for c in (arm.current - 1, arm.current + 1)
+               if 1 <= c <= self.max_threads
+               and (now >= arm.due[c] if c in arm.due else arm.steps >= FIRST_STEPS)]
+        if not due:
+            return arm.current
+        count = min(due, key=lambda c: arm.due.get(c, now))  # the longest overdue first
+        arm.probe = _Probe(count)
+        arm.last_probe = now
+        arm.num_probes += 1
+        return count
+
+    def _check_spare(self, arm: _Arm, now: float) -> None:
+        """Idle CPUs while the arm runs on fewer than it may: load went; every arm below the
+        most probes upward now."""
+        if arm.current >= self.max_threads or now - self._spare_checked < SPARE_EVERY:
+            return
+        self._spare_checked = now
+        spare = self.spare_cpus()
+        if spare is not None:
+            self._spare_known = True
+        if spare is not None and spare >= SPARE_CPUS:
+            self._load_moved = now
+            for other in self._arms.values():
+                if other.current < self.max_threads:
+                    other.due[other.current + 1] = now
+
+    # -- after it --------------------------------------------------------------------------
+
+    def record(self, kind: str, threads: int, num_tokens: int, seconds: float) -> None:
+        if self.fixed is not None or seconds <= 0:
+            return
+        arm = self._arms[kind]
+        now = self.clock()
+        b = bucket(num_tokens)
+        probe = arm.probe
+        if probe is not None and threads == probe.count:
+            self._probe_step(arm, probe, b, seconds, now)
+            return
+        if threads != arm.current:
+            return  # a count from before a move
+        t = self._remember(arm, threads, b, seconds, now)
+        arm.steps += 1
+        ref = arm.ref.get(b)
+        if ref is None:
+            arm.ref[b] = t
+        elif t > ref * (1 + DRIFT) or t < ref * (1 - DRIFT):
+            # Load came (slower: try fewer) or went (faster: try more). The other kind of step
+            # meets the same machine: it tries the same way at its next step of a timed size.
+            way = -1 if t > ref else 1
+            self._load_moved = now
+            for other in self._arms.values():
+                c = other.current + way
+                other.due[c] = now if way < 0 else max(now, other.floor.get(c, now))
+            arm.ref[b] = t
+
+    def _remember(self, arm: _Arm, threads: int, b: int, seconds: float, now: float) -> float:
+        old = arm.recent.get((threads, b))
+        t = seconds if old is None or now - old[1] > STALE else old[0] + ALPHA * (seconds - old[0])
+        arm.recent[(threads, b)] = (t, now)
+        return t
+
+    def _probe_step(self, arm: _Arm, probe: _Probe, b: int, seconds: float, now: float) -> None:
+        base = arm.recent.get((arm.current, b))
+        if base is None:  # a step of a size the count in use has no time for: try again soon
+            arm.probe = None
+            arm.due[probe.count] = now + MIN_GAP
+            return
+        probe.ratios.append(seconds / base[0])
+        probe.extra += seconds - base[0]
+        if 1 - DRIFT <= probe.ratios[-1] < 1 - MARGIN and len(probe.ratios) < 2:
+            return  # somewhat faster: confirm on a second step
+        arm.probe = None
+        if all(r < 1 - MARGIN for r in probe.ratios):  # much faster once, or faster twice: move
+            old = arm.current
+            arm.current = probe.count
+            arm.num_moves += 1
+            arm.steps = 1
+            arm.ref.clear()
+            arm.recent[(probe.count, b)] = (seconds, now)
+            arm.gap.clear()
+            arm.floor.clear()
+            # Keep climbing the same way soon; check the count left behind again after a time
+            # that the step time just won pays for (a move by a hair is checked again soon).
+            onward = probe.count + (probe.count - old)
+            won = base[0] - seconds
+            arm.due = {onward: now + MIN_GAP, old: now + max(4 * MIN_GAP, min(MAX_GAP, won / COST_SHARE))}
+            return
+        # Lost: wait longer before trying this count again, long enough that what losing
+        # costs stays a small share of the time.
+        gap = min(2 * arm.gap.get(probe.count, MIN_GAP / 2), MAX_GAP)
+        gap = max(gap, max(probe.extra, 0.0) / COST_SHARE)
+        arm.gap[probe.count] = gap
+        arm.due[probe.count] = now + gap
+        arm.floor[probe.count] = now + min(max(probe.extra, 0.0) / COST_SHARE,
+                                           MAX_GAP if self._spare_known else FLOOR_UNSEEN)
+        arm.ref[b] = base[0]
+
+
+class IdleCpus:
+    """CPUs (of those this process may run on) that sat idle since the previous call, from
+    /proc/stat; None where there is no /proc/stat, or on the first call."""
+
+    def __init__(self, path: str = "/proc/stat"):
+        self.path = path
+        try:
+            self.cpus = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+        except AttributeError:
+            self.cpus = None
+        self._last: tuple[float, float] | None = None  # (idle ticks, when)
+        self._ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def __call__(self) -> float | None:
+        if self.cpus is None:
+            return None
+        try:
+            with open(self.path, "rb") as f:
+                lines = f.read().decode().splitlines()
+        except OSError:
+            self.cpus = None
+            return None
+        idle = 0
+        for line in lines:
+            name, _, rest = line.partition(" ")
+            if name in self.cpus:
+                fields = rest.split()
+                idle += int(fields[3]) + int(fields[4])  # idle + iowait
+        now = time.monotonic()
+        last, self._last = self._last, (idle, now)
+        if last is None or now <= last[1]:
+            return None
+        return (idle - last[0]) / self._ticks / (now - last[1])

@@ -1,0 +1,202 @@
+"""ThreadChooser's decisions on recorded step times (no model, no clock of the machine).
+
+Each case plays a machine: a function of (kind, threads, time) giving the seconds a step takes,
+figures shaped like those measured on a 2-core EPYC (docs/benchmarks.md, "A busy machine"):
+idle, decode runs 40 ms a token on 2 threads and 65 ms on 1; with two busy processes beside
+it, 2 threads take a second or more (a worker waits for the scheduler) and 1 thread 120 ms.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from localllm.engine.threads import ThreadChooser, bucket
+
+
+class Machine:
+    """A fake clock that each step advances by its cost, and the CPUs left idle."""
+
+    def __init__(self, cost, spare=lambda t: None):
+        self.t = 0.0
+        self.cost = cost
+        self.spare = spare
+
+    def clock(self) -> float:
+        return self.t
+
+    def spare_cpus(self):
+        return self.spare(self.t)
+
+    def chooser(self, max_threads: int, fixed: int | None = None) -> ThreadChooser:
+        return ThreadChooser(max_threads, fixed, clock=self.clock, spare_cpus=self.spare_cpus)
+
+    def run(self, chooser: ThreadChooser, until: float, kind: str = "decode", num_tokens: int = 1):
+        """Steps until the clock reads ``until``; returns [(start time, threads, seconds)]."""
+        steps = []
+        while self.t < until:
+            n = chooser.pick(kind, num_tokens)
+            assert 1 <= n <= chooser.max_threads
+            seconds = self.cost(kind, n, self.t)
+            steps.append((self.t, n, seconds))
+            self.t += seconds
+            chooser.record(kind, n, num_tokens, seconds)
+        return steps
+
+
+def two_cores(load_from=float("inf"), load_until=float("inf")):
+    def cost(kind, n, t):
+        busy = load_from <= t < load_until
+        return {(False, 1): 0.065, (False, 2): 0.040, (True, 1): 0.120, (True, 2): 1.2}[busy, n]
+    return cost
+
+
+def current_at(steps, t0, t1):
+    return {n for t, n, _ in steps if t0 <= t < t1}
+
+
+def test_bucket_is_ceil_log2():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 256, 257)] == [0, 1, 2, 2, 3, 3, 4, 8, 9]
+
+
+def test_an_idle_machine_keeps_every_core_and_probes_rarely():
+    m = Machine(two_cores())
+    c = m.chooser(2)
+    steps = m.run(c, until=120.0)
+    assert c.current("decode") == 2
+    probe_steps = [s for s in steps if s[1] == 1]
+    lost = sum(s - 0.040 for _, _, s in probe_steps)
+    assert lost / m.t < 0.01, f"probes cost {lost:.2f} s of {m.t:.0f}"
+    # The timer backs off: the probes of the last minute are few.
+    assert len([s for s in probe_steps if s[0] > 60]) <= 4
+    assert c.counters("decode")[1] == 0  # never moved
+
+
+def test_it_moves_to_fewer_threads_when_load_comes_and_back_when_it_goes():
+    # /proc/stat says a CPU sits idle only when the load is gone and the engine runs on one.
+    def spare(t):
+        return 0.95 if t >= 40 and c.current("decode") == 1 else 0.0
+
+    m = Machine(two_cores(load_from=10, load_until=40), spare)
+    c = m.chooser(2)
+    steps = m.run(c, until=60.0)
+    moved_down = min(t for t, n, _ in steps if t >= 10 and n == 1)
+    assert current_at(steps, 15, 40) <= {1, 2}
+    at_two = [t for t, n, _ in steps if 13 <= t < 40 and n == 2]
+    assert moved_down - 10 < 3.0 and len(at_two) <= 3, (moved_down, at_two)
+    back = min(t for t, n, _ in steps if t >= 40 and n == 2)
+    assert back - 40 < 2.0
+    assert c.current("decode") == 2
+
+
+def test_without_an_idle_cpu_reading_it_returns_when_steps_get_faster():
+    m = Machine(two_cores(load_from=5, load_until=30))  # spare_cpus: None (macOS)
+    c = m.chooser(2)
+    steps = m.run(c, until=50.0)
+    assert 1 in current_at(steps, 6, 10)
+    assert c.current("decode") == 2
+    returned = min(t for t, n, _ in steps if t >= 30 and n == 2)
+    assert returned - 30 < 12.0  # the lost probes of 2 threads under load hold it off up to 10 s
+    after = [(n, s) for t, n, s in steps if t >= returned]
+    assert sum(s for n, s in after if n == 2) / sum(s for _, s in after) > 0.97
+
+
+def test_under_lasting_load_probing_upward_costs_little():
+    m = Machine(two_cores(load_from=0))
+    c = m.chooser(2)
+    steps = m.run(c, until=300.0)
+    assert c.current("decode") == 1
+    at_two = sum(s for t, n, s in steps if n == 2 and t > 10)
+    assert at_two / 290 < 0.05, f"{at_two:.1f} s of 290 on the slow count"
+
+
+def test_a_fixed_count_never_moves():
+    m = Machine(two_cores(load_from=0))
+    c = m.chooser(2, fixed=2)
+    steps = m.run(c, until=20.0)
+    assert current_at(steps, 0, 20) == {2}
+    assert not c.adaptive and c.counters("decode") == (0, 0)
+
+
+@pytest.mark.parametrize("best", [1, 4, 8])
+def test_it_climbs_to_the_best_count_and_never_leaves_the_range(best):
+    # Eight cores; steps cost least at `best` threads, more the farther from it.
+    m = Machine(lambda kind, n, t: 0.05 * (1 + 0.15 * abs(n - best)))
+    c = m.chooser(8)
+    steps = m.run(c, until=40.0)
+    assert c.current("decode") == best
+    assert all(1 <= n <= 8 for _, n, _ in steps)
+    late = [n for t, n, _ in steps if t > 20]
+    assert late.count(best) / len(late) > 0.97
+
+
+def test_decode_and_prefill_are_judged_apart():
+    # Decode is best on 2 of 4 threads (memory-bound), prefill on all 4 (compute-bound).
+    def cost(kind, n, t):
+        if kind == "decode":
+            return 0.03 * (1 + 0.2 * abs(n - 2))
+        return 0.4 * 4 / n
+
+    m = Machine(cost)
+    c = m.chooser(4)
+    for _ in range(100):  # interleaved as a server sees them: a prompt now and then
+        m.run(c, until=m.t + 0.5, kind="decode")
+        m.run(c, until=m.t + 0.01, kind="prefill", num_tokens=256)
+    assert (c.current("decode"), c.current("prefill")) == (2, 4)
+
+
+def test_noise_does_not_make_it_wander():
+    rng = random.Random(7)
+    base = two_cores()
+    m = Machine(lambda kind, n, t: base(kind, n, t) * rng.uniform(0.8, 1.25))
+    c = m.chooser(2)
+    steps = m.run(c, until=120.0)
+    at_best = sum(s for t, n, s in steps if n == 2)
+    assert at_best / m.t > 0.97
+    assert c.current("decode") == 2
+
+
+def test_steps_of_a_size_never_timed_are_not_probed_against():
+    m = Machine(two_cores())
+    c = m.chooser(2)
+    m.run(c, until=5.0, num_tokens=1)
+    # A step of 64 tokens: no time for it on the count in use, so no probe compares with it.
+    assert c.pick("decode", 64) == 2
+
+
+def test_prefill_follows_the_load_that_decode_steps_reveal():
+    # A prompt every 3 s between decode steps, as a chat sees them. Load comes at 20 s: a
+    # prefill step on 2 threads goes from 0.6 s to 3 s; on 1 from 1.1 s to 1.3 s.
+    def cost(kind, n, t):
+        busy = t >= 20
+        if kind == "prefill":
+            return {(False, 1): 1.1, (False, 2): 0.6, (True, 1): 1.3, (True, 2): 3.0}[busy, n]
+        return two_cores(load_from=20)(kind, n, t)
+
+    m = Machine(cost)
+    c = m.chooser(2)
+    prefills = []
+    while m.t < 60:
+        m.run(c, until=m.t + 2.5, kind="decode")
+        prefills += m.run(c, until=m.t + 0.001, kind="prefill", num_tokens=200)
+    idle = [n for t, n, _ in prefills if t < 20]
+    assert idle.count(2) == len(idle) - 1  # one probe of 1 thread, after four prompts
+    loaded = [n for t, n, _ in prefills if t >= 20]
+    # Its first prompt under load shows it (the decode steps did already); the second moves;
+    # the count left behind is tried again half a minute later.
+    assert loaded[:2] == [2, 1] and loaded[2:].count(2) <= 1, loaded
+    assert c.current("decode") == c.current("prefill") == 1
+
+
+def test_on_a_noisy_busy_machine_faster_steps_do_not_keep_bringing_costly_probes():
+    # Lasting load, step times wandering by 2x either way (the scheduler's doing), and the
+    # CPUs never idle: a probe of 2 threads costs a second, so few are run.
+    rng = random.Random(3)
+    base = two_cores(load_from=0)
+    m = Machine(lambda kind, n, t: base(kind, n, t) * rng.choice([0.5, 1.0, 2.0]), spare=lambda t: 0.0)
+    c = m.chooser(2)
+    steps = m.run(c, until=300.0)
+    assert c.current("decode") == 1
+    at_two = sum(s for t, n, s in steps if n == 2 and t > 10)
+    assert at_two / 290 < 0.05, f"{at_two:.1f} s of 290 on the slow count"
