@@ -2,30 +2,34 @@
 
 A laptop is never idle. When another program holds a core, a step that runs on every core
 waits for the thread the scheduler put aside: llama.cpp's workers spin at each barrier for the
-slowest of them, and on a 2-core machine with two busy processes that made decode 16 times
-slower than one thread would have been (docs/benchmarks.md, "A busy machine"). No fixed count
-is right: on an idle machine every physical core is fastest, on a busy one fewer are.
+slowest of them, and on a 2-core machine with one busy process beside it decode ran 5 times
+slower on 2 threads than on 1 (docs/benchmarks.md, "A busy machine"). No fixed count is
+right: on an idle machine every physical core is fastest, on a busy one fewer are.
 
 So the engine times its own steps and moves. Decode and prefill are judged apart (decode is
 bound by memory, prefill by compute, and their best counts differ), each an ``_Arm`` holding
 the count in use and, per count and step size (a power-of-two bucket of tokens, as the
 drafter's StepCost keeps them), the recent seconds a step took. Now and then the arm runs a
 step on a neighbouring count, a *probe*: if that count is faster by ``DRIFT`` on that step,
-or by ``MARGIN`` on it and on a second one, it becomes the count in use. A probe compares with
-a step time of the count in use from since the load last moved, or no older than ``STALE``.
-It comes
+or by ``MARGIN`` on it and on a second one, it becomes the count in use. A probe is compared
+with the count in use's recent time; where that is older than ``STALE`` (the load may have
+moved since: a prompt a minute after the last), with the next step on the count in use.
+
+Probes come
 
 - soon, when the arm's steps got markedly slower or faster than at its last decision (load
   came or went: ``DRIFT``), on that arm and the other alike (to more threads only once the
   last probe of that count is paid for, or ``FLOOR_UNSEEN`` passed where idle CPUs are unknown);
-- soon, upward, when CPUs sit idle while the arm runs on fewer than it may (load went; read
+- soon, upward, when CPUs sat idle while the arm runs on fewer than it may (load went; read
   from /proc/stat where the system has it);
 - first after ``FIRST_STEPS`` steps (the load may be there from the start), then on a timer
   per count that doubles after each probe that lost, up to ``MAX_GAP``, and is never shorter
   than keeps what lost probes cost under ``COST_SHARE`` of the time.
 
-On an idle machine that is a probe a half minute or so, a step or two at a neighbouring
-count: nothing measurable. A fixed count (``--threads N``) turns all of it off.
+Timers run on the engine's working time (the seconds its steps took), not the wall clock: an
+engine that waited a minute for a request owes no probe for that minute. On an idle machine
+that is a probe a half minute of work or so, a step at a neighbouring count: nothing
+measurable. A fixed count (``--threads N``) turns all of it off.
 """
 
 from __future__ import annotations
@@ -36,17 +40,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 KINDS = ("decode", "prefill")
-MARGIN = 0.06  # a probed count must be this much faster (both steps) to be moved to
-DRIFT = 0.3  # the arm's step time moved this far from its last decision: probe now
+MARGIN = 0.06  # a probed count this much faster on two steps is moved to
+DRIFT = 0.3  # ... or this much faster on one; and the arm's step time moved this far: probe now
 FIRST_STEPS = 4  # steps on the count in use before a neighbour is first tried
-MIN_GAP = 0.5  # seconds: the first wait before probing a count again
-MAX_GAP = 30.0  # seconds: the longest wait between timer probes of one count
-COST_SHARE = 0.02  # lost probes may cost this share of the time, at most
-STALE = 2.0  # seconds: an older step time is replaced by a new one, not averaged with it
+MIN_GAP = 0.5  # seconds of work: the first wait before probing a count again
+MAX_GAP = 30.0  # seconds of work: the longest wait between timer probes of one count
+COST_SHARE = 0.02  # lost probes may cost this share of the working time, at most
+STALE = 2.0  # seconds (wall clock): an older step time is replaced by a new one, and not compared with
 ALPHA = 0.3  # weight of a new step in a count's recent step time
 SPARE_CPUS = 0.75  # idle CPUs beyond this, with room above the count in use: probe upward
-SPARE_EVERY = 0.5  # seconds between reads of the CPUs' idle time
-FLOOR_UNSEEN = 10.0  # seconds: the longest a lost probe holds off faster steps' probes without idle CPU readings
+SPARE_EVERY = 0.5  # seconds (wall clock) between reads of the CPUs' idle time
+FLOOR_UNSEEN = 10.0  # seconds of work: the longest a lost probe holds off faster steps' probes without idle-CPU readings
 
 
 def bucket(num_tokens: int) -> int:
@@ -59,6 +63,7 @@ class _Probe:
     count: int
     ratios: list[float] = field(default_factory=list)  # probe step time / the count in use's
     extra: float = 0.0  # seconds the probe's steps took beyond what the count in use would have
+    unmatched: tuple[int, float] | None = None  # (bucket, seconds) of a step awaiting a fresh time to compare
 
 
 @dataclass
@@ -66,15 +71,14 @@ class _Arm:
     current: int
     recent: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # (count, bucket) -> (s, when)
     ref: dict[int, float] = field(default_factory=dict)  # bucket -> the current count's step time at the last decision
-    gap: dict[int, float] = field(default_factory=dict)  # count -> seconds before it is probed again
-    # count -> before this, faster steps do not bring a probe of it, idle CPUs do: what its
-    # last probe lost, paid for at COST_SHARE (on a busy machine the step times of the count
-    # in use wander, and a probe of more threads there can cost a second a step); at most
-    # FLOOR_UNSEEN where idle CPUs cannot be read (they would be the sign the load went)
+    gap: dict[int, float] = field(default_factory=dict)  # count -> seconds of work before it is probed again
+    # count -> before this (work clock), faster steps do not bring a probe of it, idle CPUs do:
+    # what its last probe lost, paid for at COST_SHARE (on a busy machine the step times of
+    # the count in use wander, and a probe of more threads there can cost a second a step)
     floor: dict[int, float] = field(default_factory=dict)
-    due: dict[int, float] = field(default_factory=dict)  # count -> when it may be probed next
+    due: dict[int, float] = field(default_factory=dict)  # count -> when (work clock) it may be probed next
     probe: _Probe | None = None
-    last_probe: float = float("-inf")
+    last_probe: float = float("-inf")  # work clock
     steps: int = 0  # steps on the count in use since it became the count in use
     num_probes: int = 0
     num_moves: int = 0
@@ -99,8 +103,8 @@ class ThreadChooser:
         self.clock = clock
         self.spare_cpus = spare_cpus if spare_cpus is not None else IdleCpus()
         self._arms = {kind: _Arm(current=fixed or max_threads) for kind in KINDS}
+        self._work = 0.0  # seconds the recorded steps took, all kinds: the timers' clock
         self._spare_checked = float("-inf")
-        self._load_moved = float("-inf")  # when a step last showed the load moved
         self._spare_known = False  # whether idle CPUs have been read here
 
     @property
@@ -123,30 +127,29 @@ class ThreadChooser:
         if self.fixed is not None:
             return self.fixed
         if arm.probe is not None:
-            return arm.probe.count
-        now = self.clock()
-        b = bucket(num_tokens)
-        base = arm.recent.get((arm.current, b))
-        if (base is None or (base[1] < self._load_moved and now - base[1] > STALE)
-                or now - arm.last_probe < MIN_GAP / 2):
-            return arm.current  # no time to compare a probe with (none since the load moved), or one just ended
-        self._check_spare(arm, now)
+            # A probe's second step; or, its step waiting for a fresh time, the count in use.
+            return arm.current if arm.probe.unmatched else arm.probe.count
+        work = self._work
+        if (arm.current, bucket(num_tokens)) not in arm.recent or work - arm.last_probe < MIN_GAP / 2:
+            return arm.current  # nothing to compare a probe with, or one just ended
+        self._check_spare(arm)
         # A neighbour not tried yet is tried after FIRST_STEPS steps on the count in use (the
         # load may be there from the start); after that, when its timer says (or the load moves).
         due = [c for c in (arm.current - 1, arm.current + 1)
                if 1 <= c <= self.max_threads
-               and (now >= arm.due[c] if c in arm.due else arm.steps >= FIRST_STEPS)]
+               and (work >= arm.due[c] if c in arm.due else arm.steps >= FIRST_STEPS)]
         if not due:
             return arm.current
-        count = min(due, key=lambda c: arm.due.get(c, now))  # the longest overdue first
+        count = min(due, key=lambda c: arm.due.get(c, work))  # the longest overdue first
         arm.probe = _Probe(count)
-        arm.last_probe = now
+        arm.last_probe = work
         arm.num_probes += 1
         return count
 
-    def _check_spare(self, arm: _Arm, now: float) -> None:
+    def _check_spare(self, arm: _Arm) -> None:
         """Idle CPUs while the arm runs on fewer than it may: load went; every arm below the
         most probes upward now."""
+        now = self.clock()
         if arm.current >= self.max_threads or now - self._spare_checked < SPARE_EVERY:
             return
         self._spare_checked = now
@@ -154,27 +157,40 @@ class ThreadChooser:
         if spare is not None:
             self._spare_known = True
         if spare is not None and spare >= SPARE_CPUS:
-            self._load_moved = now
             for other in self._arms.values():
                 if other.current < self.max_threads:
-                    other.due[other.current + 1] = now
+                    other.due[other.current + 1] = self._work
 
     # -- after it --------------------------------------------------------------------------
 
     def record(self, kind: str, threads: int, num_tokens: int, seconds: float) -> None:
         if self.fixed is not None or seconds <= 0:
             return
+        self._work += seconds
         arm = self._arms[kind]
         now = self.clock()
         b = bucket(num_tokens)
         probe = arm.probe
-        if probe is not None and threads == probe.count:
-            self._probe_step(arm, probe, b, seconds, now)
+        if probe is not None and threads == probe.count and not probe.unmatched:
+            base = arm.recent.get((arm.current, b))
+            if base is None or now - base[1] > STALE:
+                probe.unmatched = (b, seconds)  # compare with the next step on the count in use
+            else:
+                self._judge(arm, probe, b, seconds, base[0])
             return
         if threads != arm.current:
             return  # a count from before a move
         t = self._remember(arm, threads, b, seconds, now)
         arm.steps += 1
+        if probe is not None and probe.unmatched:
+            pb, ps = probe.unmatched
+            probe.unmatched = None
+            if pb == b:
+                self._judge(arm, probe, b, ps, seconds, last=True)
+            else:  # a step of another size: no comparison; try again soon
+                arm.probe = None
+                arm.due[probe.count] = self._work + MIN_GAP
+            return
         ref = arm.ref.get(b)
         if ref is None:
             arm.ref[b] = t
@@ -182,10 +198,9 @@ class ThreadChooser:
             # Load came (slower: try fewer) or went (faster: try more). The other kind of step
             # meets the same machine: it tries the same way at its next step of a timed size.
             way = -1 if t > ref else 1
-            self._load_moved = now
             for other in self._arms.values():
                 c = other.current + way
-                other.due[c] = now if way < 0 else max(now, other.floor.get(c, now))
+                other.due[c] = self._work if way < 0 else max(self._work, other.floor.get(c, self._work))
             arm.ref[b] = t
 
     def _remember(self, arm: _Arm, threads: int, b: int, seconds: float, now: float) -> float:
@@ -194,41 +209,41 @@ class ThreadChooser:
         arm.recent[(threads, b)] = (t, now)
         return t
 
-    def _probe_step(self, arm: _Arm, probe: _Probe, b: int, seconds: float, now: float) -> None:
-        base = arm.recent.get((arm.current, b))
-        if base is None:  # a step of a size the count in use has no time for: try again soon
-            arm.probe = None
-            arm.due[probe.count] = now + MIN_GAP
-            return
-        probe.ratios.append(seconds / base[0])
-        probe.extra += seconds - base[0]
-        if 1 - DRIFT <= probe.ratios[-1] < 1 - MARGIN and len(probe.ratios) < 2:
+    def _judge(self, arm: _Arm, probe: _Probe, b: int, seconds: float, base: float, last: bool = False) -> None:
+        """A probe step of ``seconds`` against the count in use's ``base``: move, lose, or
+        (somewhat faster, and a second step may follow) wait for the second."""
+        work = self._work
+        probe.ratios.append(seconds / base)
+        probe.extra += seconds - base
+        if 1 - DRIFT <= probe.ratios[-1] < 1 - MARGIN and len(probe.ratios) < 2 and not last:
             return  # somewhat faster: confirm on a second step
         arm.probe = None
-        if all(r < 1 - MARGIN for r in probe.ratios):  # much faster once, or faster twice: move
+        if probe.ratios[-1] < 1 - DRIFT or (len(probe.ratios) == 2 and all(r < 1 - MARGIN for r in probe.ratios)):
             old = arm.current
             arm.current = probe.count
             arm.num_moves += 1
             arm.steps = 1
             arm.ref.clear()
-            arm.recent[(probe.count, b)] = (seconds, now)
+            arm.recent[(probe.count, b)] = (seconds, self.clock())
             arm.gap.clear()
             arm.floor.clear()
-            # Keep climbing the same way soon; check the count left behind again after a time
-            # that the step time just won pays for (a move by a hair is checked again soon).
+            # Keep climbing the same way soon; check the count left behind again after the
+            # work that the step time just won pays for (a move by a hair is checked soon).
             onward = probe.count + (probe.count - old)
-            won = base[0] - seconds
-            arm.due = {onward: now + MIN_GAP, old: now + max(4 * MIN_GAP, min(MAX_GAP, won / COST_SHARE))}
+            won = base - seconds
+            arm.due = {onward: work + MIN_GAP, old: work + max(4 * MIN_GAP, min(MAX_GAP, won / COST_SHARE))}
+            return
+        if probe.ratios[-1] < 1 - MARGIN:  # faster, but not surely: try again soon
+            arm.due[probe.count] = work + MIN_GAP
             return
         # Lost: wait longer before trying this count again, long enough that what losing
         # costs stays a small share of the time.
-        gap = min(2 * arm.gap.get(probe.count, MIN_GAP / 2), MAX_GAP)
-        gap = max(gap, max(probe.extra, 0.0) / COST_SHARE)
+        paid = max(probe.extra, 0.0) / COST_SHARE
+        gap = max(min(2 * arm.gap.get(probe.count, MIN_GAP / 2), MAX_GAP), paid)
         arm.gap[probe.count] = gap
-        arm.due[probe.count] = now + gap
-        arm.floor[probe.count] = now + min(max(probe.extra, 0.0) / COST_SHARE,
-                                           MAX_GAP if self._spare_known else FLOOR_UNSEEN)
-        arm.ref[b] = base[0]
+        arm.due[probe.count] = work + gap
+        arm.floor[probe.count] = work + min(paid, MAX_GAP if self._spare_known else FLOOR_UNSEEN)
+        arm.ref[b] = base
 
 
 class IdleCpus:
