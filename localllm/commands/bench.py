@@ -3,8 +3,10 @@
 For each concurrency c, c requests with distinct prompts of ``prompt_tokens`` tokens arrive
 together and each generates exactly ``max_tokens`` tokens (greedy, EOS ignored). Reported:
 aggregate output tokens/s over the whole run, aggregate decode tokens/s over the steps that
-only decoded (a step that checks drafts decodes too), TTFT / TPOT percentiles, and the
-prompt-lookup draft tokens proposed and accepted (0 with --no-spec).
+only decoded (a step that checks drafts decodes too), TTFT / TPOT percentiles, the CPU
+threads decode and prefill steps ran on at the end (the engine chooses them from the load
+unless --threads fixes them; the header's ``threads`` is the most), and the prompt-lookup
+draft tokens proposed and accepted (0 with --no-spec).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def run_concurrency(engine, concurrency: int, prompt_tokens: int, max_tokens: in
     ttfts = [m.ttft for m in metrics]
     tpots = [m.tpot for m in metrics if m.tpot is not None]
     generated = sum(m.num_generated_tokens for m in metrics)
+    stats = engine.stats()
     return {
         "concurrency": concurrency,
         "requests": len(metrics),
@@ -73,6 +76,9 @@ def run_concurrency(engine, concurrency: int, prompt_tokens: int, max_tokens: in
         "preemptions": engine.scheduler.num_preemptions,
         "draft_proposed": sum(m.num_draft_proposed for m in metrics),
         "draft_accepted": sum(m.num_draft_accepted for m in metrics),
+        # The CPU threads each kind of step ran on at the run's end (0: a GPU computed them).
+        "threads_decode": stats.threads_decode,
+        "threads_prefill": stats.threads_prefill,
     }
 
 
@@ -85,6 +91,7 @@ def bench(config: EngineConfig, concurrencies: list[int], prompt_tokens: int, ma
         engine.generate(["warm up"], SamplingParams(max_tokens=4, temperature=0.0))
         results = [run_concurrency(engine, c, prompt_tokens, max_tokens) for c in concurrencies]
         _report(results, {"model": str(config.model_path), "threads": config.threads,
+                          "threads_adaptive": engine.stats().threads_adaptive,
                           "batch_tokens": config.scheduler.max_num_batched_tokens,
                           "speculative": config.speculative}, as_json)
         return 0
@@ -193,6 +200,7 @@ def _report(results: list[dict], header: dict, as_json: bool) -> None:
             f"{r['decode_tokens_per_s'] or 0:7.1f} decode tok/s | "
             f"TTFT p50 {(r['ttft_p50_s'] or 0) * 1000:7.0f} ms p95 {(r['ttft_p95_s'] or 0) * 1000:7.0f} ms | "
             f"TPOT p50 {(r['tpot_p50_s'] or 0) * 1000:6.1f} ms p95 {(r['tpot_p95_s'] or 0) * 1000:6.1f} ms"
+            + threads_text(r.get("threads_decode"), r.get("threads_prefill"))
             + draft_text(r.get("draft_proposed"), r.get("draft_accepted")),
             flush=True,
         )
@@ -204,3 +212,11 @@ def draft_text(num_proposed: int | None, num_accepted: int | None) -> str:
     if not num_proposed:
         return ""
     return f" | draft {num_accepted}/{num_proposed} ({100 * num_accepted / num_proposed:.0f}%)"
+
+
+def threads_text(decode: int | None, prefill: int | None) -> str:
+    """' | threads 2 decode, 4 prefill': the CPU threads the engine ran each kind of step on
+    at the end of a run; '' where it chose none (a GPU) or a server was measured."""
+    if not decode:
+        return ""
+    return f" | threads {decode} decode, {prefill} prefill"

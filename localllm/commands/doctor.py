@@ -19,7 +19,7 @@ from pathlib import Path
 
 from localllm import __version__, paths
 from localllm import memory as kv_memory
-from localllm.config import SchedulerConfig
+from localllm.config import SchedulerConfig, physical_cores
 from localllm.errors import LocalLLMError
 from localllm.runners import device
 
@@ -95,7 +95,10 @@ def collect() -> dict:
         "native_kernel_use": _probe(_native_report),
         "llama_cpp": _probe(_llama_report),
         "defaults": {"max_num_seqs": DEFAULT_SEQS, "headroom_base": kv_memory.HEADROOM_BASE,
-                     "headroom_share": kv_memory.HEADROOM_SHARE},
+                     "headroom_share": kv_memory.HEADROOM_SHARE,
+                     # Where the CPU computes the steps, the engine chooses each one's threads
+                     # (engine/threads.py) in this range, unless --threads N fixes them.
+                     "threads": {"adaptive": True, "min": 1, "max": physical_cores()}},
     }
     report["models"] = _probe(_models, report)
     report["advice"] = _advice(report)
@@ -227,6 +230,13 @@ def _yes(flag) -> str:
     return "yes" if flag else "no"
 
 
+def _threads_line(threads: dict) -> str:
+    n = threads["max"]
+    cores = f"{n} physical core{'' if n == 1 else 's'}"
+    return (f"  threads: chosen per step from the machine's load, {threads['min']}–{n} ({cores}); "
+            "--threads N fixes them")
+
+
 def render(report: dict) -> str:
     lines = [f"localllm {report['localllm']} doctor", "", "System"]
     py, plat, cpu, mem = report["python"], report["platform"], report["cpu"], report["memory"]
@@ -238,6 +248,7 @@ def render(report: dict) -> str:
         lines.append(f"  cpu: {cpu['model'] or 'unknown model'} ({cpu['machine']})")
         lines.append(f"  cores: {cpu['physical_cores']} physical, {cpu['logical_cores']} logical")
         lines.append(f"  cpu features: {' '.join(cpu['features']) or 'none of avx2, avx512, fma, f16c, neon'}")
+    lines.append(_threads_line(report["defaults"]["threads"]))
     if mem is None or "error" in mem:
         lines.append(f"  ram: unknown{' (' + mem['error'] + ')' if mem else ''}")
     else:

@@ -103,7 +103,7 @@ def evaluate(config: EngineConfig, token_ids: list[int], text_name: str, as_json
         "text": text_name,
         "num_tokens": len(token_ids),
         "num_predictions": tally.num_predictions,
-        "threads": config.threads,
+        "threads": config.threads,  # no engine, so no chooser: both runners ran on this count throughout
         "candidate_is_reference": is_same,
         "reference": rows[0],
         "candidate": rows[1],

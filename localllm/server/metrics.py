@@ -54,6 +54,13 @@ class ServerMetrics:
         self.runner_seqs = Gauge("localllm_kv_runner_sequences",
                                  "Sequences the model runner holds KV storage for (llama.cpp slots)", registry=r)
         self.preemptions = Gauge("localllm_preemptions_total", "Sequences preempted and recomputed", registry=r)
+        # The CPU threads of the steps (engine/threads.py); all 0 where a GPU computes them.
+        self.cpu_threads = Gauge("localllm_cpu_threads", "CPU threads steps of this kind run on now", ["kind"],
+                                 registry=r)
+        self.cpu_threads_max = Gauge("localllm_cpu_threads_max", "The most CPU threads a step may run on",
+                                     registry=r)
+        self.cpu_threads_adaptive = Gauge("localllm_cpu_threads_adaptive",
+                                          "1: threads follow the machine's load; 0: fixed by --threads", registry=r)
         self.engine_counters = _EngineCounters()
         r.register(self.engine_counters)
 
@@ -81,6 +88,10 @@ class ServerMetrics:
         self.blocks_total.set(stats.num_blocks_total)
         self.blocks_cached.set(stats.num_blocks_cached)
         self.preemptions.set(stats.num_preemptions)
+        self.cpu_threads.labels("decode").set(stats.threads_decode)
+        self.cpu_threads.labels("prefill").set(stats.threads_prefill)
+        self.cpu_threads_max.set(stats.threads_max)
+        self.cpu_threads_adaptive.set(int(stats.threads_adaptive))
         self.engine_counters.num_draft_proposed = stats.num_draft_proposed
         self.engine_counters.num_draft_accepted = stats.num_draft_accepted
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

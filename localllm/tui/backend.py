@@ -101,6 +101,8 @@ class EngineFigures:
     kv_total: int
     num_running: int
     num_waiting: int
+    threads: int = 0  # CPU threads decode steps run on now; 0: not known, or a GPU computes them
+    threads_max: int = 0  # the most they may run on
 
 
 class ChatBackend(Protocol):
@@ -213,7 +215,7 @@ class LocalBackend:
         block_size = self.config.cache.block_size
         return EngineFigures(stats.num_blocks_used * block_size, stats.num_blocks_cached * block_size,
                              stats.num_blocks_total * block_size,
-                             stats.num_running, stats.num_waiting)
+                             stats.num_running, stats.num_waiting, stats.threads_decode, stats.threads_max)
 
     def close(self) -> None:
         if self._engine is not None:

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from localllm import __version__
+from localllm.config import physical_cores
 
 TIMEOUT_S = 180
 FIB = "def fibonacci(n):"
@@ -30,6 +31,13 @@ def localllm(*args, stdin: bytes | None = None, env: dict | None = None) -> subp
     )
     proc.stdout, proc.stderr = proc.stdout.decode(), proc.stderr.decode()
     return proc
+
+
+def gpu_computes_steps() -> bool:
+    """Whether this llama.cpp build puts the model's layers on a GPU (then no CPU threads are chosen)."""
+    import llama_cpp
+
+    return bool(llama_cpp.llama_supports_gpu_offload())
 
 
 def assert_usage_error(proc: subprocess.CompletedProcess, needle: str) -> None:
@@ -135,6 +143,9 @@ def test_bench_json(qwen_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["threads"] == 2 and report["batch_tokens"] == 256 and report["speculative"] is True
+    # --threads 2 fixes them: every step ran on 2 (none on a GPU build, where the GPU computes them).
+    threads = 0 if gpu_computes_steps() else 2
+    assert report["threads_adaptive"] is False
     results = report["results"]
     assert [r["concurrency"] for r in results] == [1, 2]
     for r in results:
@@ -147,6 +158,20 @@ def test_bench_json(qwen_path):
             assert r[key] > 0, (key, r)
         assert r["ttft_p95_s"] >= r["ttft_p50_s"] and r["tpot_p95_s"] >= r["tpot_p50_s"]
         assert 0 <= r["draft_accepted"] <= r["draft_proposed"]
+        assert (r["threads_decode"], r["threads_prefill"]) == (threads, threads)
+
+
+def test_bench_reports_the_threads_the_engine_chose(qwen_path):
+    """Without --threads the engine chooses them per step, from 1 to the physical cores."""
+    if gpu_computes_steps():
+        pytest.skip("this llama.cpp offloads every layer to the GPU: the engine chooses no CPU threads")
+    proc = localllm("bench", qwen_path, "--concurrency", "1", "--prompt-tokens", "32", "--max-tokens", "8",
+                    "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["threads"] == physical_cores() and report["threads_adaptive"] is True
+    [r] = report["results"]
+    assert 1 <= r["threads_decode"] <= report["threads"] and 1 <= r["threads_prefill"] <= report["threads"]
 
 
 def test_bench_no_spec_proposes_no_drafts(qwen_path):

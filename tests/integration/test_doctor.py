@@ -68,6 +68,10 @@ def test_text_report_without_models(tmp_path):
     features = expected_cpu_features()
     if features:
         assert f"  cpu features: {' '.join(features)}" in lines
+    cores = physical_cores()
+    threads = (f"  threads: chosen per step from the machine's load, 1–{cores} "
+               f"({cores} physical core{'s' if cores > 1 else ''}); --threads N fixes them")
+    assert lines[lines.index(threads) - 1].startswith("  cpu features: ")
     total = meminfo()["MemTotal"]
     ram = next(line for line in lines if line.startswith("  ram: "))
     assert re.fullmatch(rf"  ram: {total / GIB:.1f} GiB total, \d+\.\d GiB available", ram), ram
@@ -120,7 +124,8 @@ def test_json_report_without_models(tmp_path):
     assert "CPU" in llama["backends"]
     assert any(d["type"] == "CPU" for d in llama["devices"])
     assert llama["system_info"].startswith("CPU : ")
-    assert report["defaults"] == {"max_num_seqs": 16, "headroom_base": 512 * 2**20, "headroom_share": 0.05}
+    assert report["defaults"] == {"max_num_seqs": 16, "headroom_base": 512 * 2**20, "headroom_share": 0.05,
+                                  "threads": {"adaptive": True, "min": 1, "max": physical_cores()}}
     assert report["models"] == []
     if not HAS_GPU:
         assert llama["gpu_offload"] is False

@@ -582,6 +582,16 @@ def test_metrics(http, client, model_id):
     ttft_count = "localllm_time_to_first_token_seconds_count"
     assert after[ttft_count] - before[ttft_count] == 1
     assert after['localllm_time_to_first_token_seconds_bucket{le="+Inf"}'] == after[ttft_count]
+    # The server runs with --threads 2: both kinds of step on 2, fixed. A GPU build computes
+    # the steps on the GPU, and the engine then chooses no CPU threads (all 0).
+    import llama_cpp
+
+    threads = 0 if llama_cpp.llama_supports_gpu_offload() else 2
+    for name in ("localllm_cpu_threads", "localllm_cpu_threads_max", "localllm_cpu_threads_adaptive"):
+        assert f"# TYPE {name} gauge" in text.splitlines(), name
+    assert {k: v for k, v in after.items() if k.startswith("localllm_cpu_threads")} == {
+        'localllm_cpu_threads{kind="decode"}': threads, 'localllm_cpu_threads{kind="prefill"}': threads,
+        "localllm_cpu_threads_max": threads, "localllm_cpu_threads_adaptive": 0}
 
 
 def test_openapi_lists_the_routes_with_request_schemas(http):

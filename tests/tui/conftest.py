@@ -22,10 +22,11 @@ def store(tmp_path):
 
 @pytest.fixture
 def make_app(qwen_path, store):
-    """make_app(n_ctx=..., conversation=..., **ChatApp kwargs) -> ChatApp on the real model."""
+    """make_app(n_ctx=..., conversation=..., **ChatApp kwargs) -> ChatApp on the real model;
+    n_threads=0 (the default) lets the engine choose them, as `localllm chat` does."""
 
-    def make(n_ctx: int = 2048, max_tokens: int = 48, **kwargs) -> ChatApp:
-        config = EngineConfig(model_path=qwen_path, cache=CacheConfig(n_ctx=n_ctx))
+    def make(n_ctx: int = 2048, max_tokens: int = 48, n_threads: int = 0, **kwargs) -> ChatApp:
+        config = EngineConfig(model_path=qwen_path, cache=CacheConfig(n_ctx=n_ctx), n_threads=n_threads)
 
         def factory(model: str) -> LocalBackend:
             return LocalBackend(dataclasses.replace(config, model_path=Path(model)))

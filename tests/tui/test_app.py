@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import llama_cpp
 import pytest
 from textual.command import CommandPalette
 from textual.widgets import Input, Label, OptionList
 
+from localllm.config import physical_cores
 from localllm.tui.screens.choice import ChoiceScreen
 from localllm.tui.screens.help import HelpScreen
 from localllm.tui.screens.model_picker import ModelPickerScreen
@@ -53,6 +55,17 @@ async def test_enter_sends_streams_and_saves(make_app, store):
         assert app.prompt.text == ""
         status = app.status.render_text()
         assert "· ready" in status and "TTFT" in status and f"prompt {answer.stats['prompt_tokens']}" in status
+        # The threads decode runs on: chosen from the machine's load, up to its physical cores
+        # (none on a GPU build of llama.cpp, where the GPU computes the steps).
+        await app._poll_engine()
+        engine = app.status.engine
+        if llama_cpp.llama_supports_gpu_offload():
+            assert (engine.threads, engine.threads_max) == (0, 0) and "thread" not in app.status.render_text()
+        else:
+            n, most = engine.threads, engine.threads_max
+            assert most == physical_cores() and 1 <= n <= most
+            count = f"{n}" if n == most else f"{n}/{most}"
+            assert app.status.render_text().endswith(f" │ {count} thread{'s' if most > 1 else ''}")
 
 
 async def test_ctrl_j_inserts_a_newline_and_enter_on_empty_box_sends_nothing(make_app, store):

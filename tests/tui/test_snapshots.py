@@ -9,6 +9,9 @@ from tui_helpers import SIZE, saved_conversation, wait_ready
 
 pytestmark = pytest.mark.model
 
+# A fixed count, so the status bar's "2 threads" is the same on every machine and under any load.
+THREADS = 2
+
 ANSWER = """Use a list comprehension:
 
 ```python
@@ -43,13 +46,13 @@ async def _settled(pilot) -> None:
 
 def test_main_screen(snap_compare, make_app, store):
     conv_id = _chats(store)
-    app = make_app(conversation=store.get(conv_id))
+    app = make_app(conversation=store.get(conv_id), n_threads=THREADS)
     assert snap_compare(app, terminal_size=SIZE, run_before=_settled)
 
 
 def test_conversation_panel_searching(snap_compare, make_app, store):
     _chats(store)
-    app = make_app()
+    app = make_app(n_threads=THREADS)
 
     async def search(pilot) -> None:
         await _settled(pilot)
@@ -61,7 +64,7 @@ def test_conversation_panel_searching(snap_compare, make_app, store):
 
 
 def test_help_screen(snap_compare, make_app, store):
-    app = make_app()
+    app = make_app(n_threads=THREADS)
 
     async def help_screen(pilot) -> None:
         await _settled(pilot)

@@ -38,12 +38,14 @@ QUESTION = "What is 2+2? Answer in one sentence."
 ESSAY = "Write a 3000 word essay about the history of computing, with many sections."
 FOLLOW_UP = "Thanks. Name one early computer."
 
-# The status bar: "MODEL · STATE │ TTFT 152 ms │ 32.8 tok/s │ prompt 34 / cached 0 │ KV 0% of 4,096",
-# with "│ draft 41/43 │" before "prompt" after an answer that drafted (greedy, as here).
+# The status bar: "MODEL · STATE │ TTFT 152 ms │ 32.8 tok/s │ prompt 34 / cached 0 │ KV 0% of 4,096
+# │ 2 threads", with "│ draft 41/43 │" before "prompt" after an answer that drafted (greedy, as
+# here), and "1/2 threads" while the load leaves decode fewer threads than the most.
 STATUS = re.compile(r"· (?P<state>[a-z][a-z ]*?)\s+│\s+TTFT (?P<ttft>\d+ ms|-)\s+│\s+(?P<speed>[\d.]+|-) tok/s"
                     r"(?:\s+│\s+draft (?P<draft>[\d,]+/[\d,]+))?"
                     r"\s+│\s+prompt (?P<prompt>\d[\d,]*|-) / cached (?P<cached>\d[\d,]*|-)"
-                    r"(?:\s+│\s+KV (?P<kv>\S.*?))?\s*$")
+                    r"(?:\s+│\s+KV (?P<kv>\S.*?))?"
+                    r"(?:\s+│\s+(?P<threads>\d+(?:/\d+)?) threads?)?\s*$")
 KV_USED = re.compile(r"^(\d+)% of [\d,]+")
 # A message's last line: "■ stopped  TTFT 138 ms · 28.3 tok/s · 85 tokens · prompt 78 (48 cached)"
 FOOTER = re.compile(r"^(■ stopped)?\s*(TTFT \d+ ms · .*)?$")

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from localllm.commands.bench import _report, draft_text
+from localllm.commands.bench import _report, draft_text, threads_text
 
 
 def test_draft_text_is_accepted_of_proposed_and_the_rate():
     assert draft_text(430, 412) == " | draft 412/430 (96%)"
     assert draft_text(0, 0) == ""  # --no-spec, or sampled requests
     assert draft_text(None, None) == ""  # a server (--url) does not say
+
+
+def test_threads_text_is_the_count_of_each_kind_of_step():
+    assert threads_text(2, 2) == " | threads 2 decode, 2 prefill"
+    assert threads_text(1, 2) == " | threads 1 decode, 2 prefill"  # the load took a core from decode
+    assert threads_text(0, 0) == ""  # a GPU computed the steps
+    assert threads_text(None, None) == ""  # a server (--url) does not say
 
 
 def test_report_line_ends_with_the_drafts(capsys):
@@ -18,6 +25,8 @@ def test_report_line_ends_with_the_drafts(capsys):
     head = ("concurrency   4:   120.4 output tok/s,   150.0 decode tok/s | TTFT p50     100 ms p95     200 ms | "
             "TPOT p50   20.0 ms p95   30.0 ms")
     assert capsys.readouterr().out == f"{head} | draft 30/40 (75%)\n{head}\n"
+    _report([{**run, "threads_decode": 1, "threads_prefill": 2}], {}, as_json=False)
+    assert capsys.readouterr().out == f"{head} | threads 1 decode, 2 prefill | draft 30/40 (75%)\n"
 
 
 def _sse(*events: dict) -> bytes:

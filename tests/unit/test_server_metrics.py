@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from localllm.engine.metrics import EngineStats
@@ -38,3 +40,22 @@ def test_leak_gauges_show_in_flight_requests_and_runner_sequences():
     gauges = {f.name: (f.type, s.value) for f in text_string_to_metric_families(body.decode())
               for s in f.samples if f.name in ("localllm_requests_in_flight", "localllm_kv_runner_sequences")}
     assert gauges == {"localllm_requests_in_flight": ("gauge", 3.0), "localllm_kv_runner_sequences": ("gauge", 2.0)}
+
+
+def _threads(stats: EngineStats) -> dict[str, float]:
+    body, _ = ServerMetrics().render(stats)
+    return {(f'{s.name}{{kind="{s.labels["kind"]}"}}' if s.labels else s.name): s.value
+            for f in text_string_to_metric_families(body.decode()) if f.name.startswith("localllm_cpu_threads")
+            for s in f.samples}
+
+
+def test_thread_gauges_show_the_counts_steps_run_on_and_whether_they_adapt():
+    adaptive = dataclasses.replace(_stats(0, 0), threads_decode=3, threads_prefill=8, threads_max=8,
+                                   threads_adaptive=True)
+    assert _threads(adaptive) == {'localllm_cpu_threads{kind="decode"}': 3.0,
+                                  'localllm_cpu_threads{kind="prefill"}': 8.0,
+                                  "localllm_cpu_threads_max": 8.0, "localllm_cpu_threads_adaptive": 1.0}
+    on_a_gpu = _stats(0, 0)  # no thread figures: the CPU does not compute the steps
+    assert _threads(on_a_gpu) == {'localllm_cpu_threads{kind="decode"}': 0.0,
+                                  'localllm_cpu_threads{kind="prefill"}': 0.0,
+                                  "localllm_cpu_threads_max": 0.0, "localllm_cpu_threads_adaptive": 0.0}
