@@ -18,8 +18,9 @@ moved since: a prompt a minute after the last), with the next step on the count 
 Probes come
 
 - soon, when the arm's steps got markedly slower or faster than at its last decision (load
-  came or went: ``DRIFT``), on that arm and the other alike (to more threads only once the
-  last probe of that count is paid for, or ``FLOOR_UNSEEN`` passed where idle CPUs are unknown);
+  came or went: ``DRIFT``): fewer threads at once when its own steps got slower; otherwise,
+  and for the other kind of step, once the last probe of that count is paid for (or
+  ``FLOOR_UNSEEN`` passed, where idle CPUs are unknown);
 - soon, upward, when CPUs sat idle while the arm runs on fewer than it may (load went; read
   from /proc/stat where the system has it);
 - first after ``FIRST_STEPS`` steps (the load may be there from the start), then on a timer
@@ -197,10 +198,14 @@ class ThreadChooser:
         elif t > ref * (1 + DRIFT) or t < ref * (1 - DRIFT):
             # Load came (slower: try fewer) or went (faster: try more). The other kind of step
             # meets the same machine: it tries the same way at its next step of a timed size.
+            # Its own steps slower: fewer threads at once. Faster, or the other kind's steps
+            # (a weaker sign: a decode step's time moves with the batch too): once the last
+            # loss of that count is paid for.
             way = -1 if t > ref else 1
             for other in self._arms.values():
                 c = other.current + way
-                other.due[c] = self._work if way < 0 else max(self._work, other.floor.get(c, self._work))
+                own_slower = other is arm and way < 0
+                other.due[c] = self._work if own_slower else max(self._work, other.floor.get(c, self._work))
             arm.ref[b] = t
 
     def _remember(self, arm: _Arm, threads: int, b: int, seconds: float, now: float) -> float:
@@ -242,7 +247,7 @@ class ThreadChooser:
         gap = max(min(2 * arm.gap.get(probe.count, MIN_GAP / 2), MAX_GAP), paid)
         arm.gap[probe.count] = gap
         arm.due[probe.count] = work + gap
-        arm.floor[probe.count] = work + min(paid, MAX_GAP if self._spare_known else FLOOR_UNSEEN)
+        arm.floor[probe.count] = work + (paid if self._spare_known else min(paid, FLOOR_UNSEEN))
         arm.ref[b] = base
 
 
