@@ -210,32 +210,20 @@ def in_process(args) -> None:
 
 
 def serve(args) -> None:
-    import httpx
-
     from localllm.commands.bench import bench_url
 
     cores = physical_cores()
     path = str(model_path())
     servers = {}
 
-    def start(threads: int, port: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "localllm.cli", "serve", "--model", path, "--port", str(port),
-               "--threads", str(threads), "--ctx", "4096", "--no-spec", "--prefix-cache-size", "0",
-               "--runner", args.runners.split(",")[0]]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(240):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
-                    return proc
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        proc.kill()
-        raise SystemExit(f"localllm serve --threads {threads} did not start")
+    from serve_vs_llama_cpp_server import free_port, start
 
-    port = 8650 + os.getpid() % 1000
-    for i, threads in enumerate([0] + list(range(1, cores + 1))):
-        servers[threads] = (port + i, start(threads, port + i))
+    for threads in [0] + list(range(1, cores + 1)):
+        port = free_port()
+        servers[threads] = (port, start([sys.executable, "-m", "localllm.cli", "serve", "--model", path,
+                                         "--port", str(port), "--threads", str(threads), "--ctx", "4096",
+                                         "--no-spec", "--prefix-cache-size", "0",
+                                         "--runner", args.runners.split(",")[0]], port))
 
     def run(p: int) -> dict:
         buf = io.StringIO()
