@@ -494,7 +494,10 @@ class PrefixStore:
                 elif kind == "drop":
                     self.index.remove(item[1])
                 elif kind == "sweep":
+                    # Leftovers of a crash: temporary files, files not indexed, and an index
+                    # over the budget (a kill between indexing a write and evicting for it).
                     self.index.sweep()
+                    self.index.evict_to(self.budget_bytes)
             except (sqlite3.Error, OSError) as e:
                 self._warn_once(f"the prefix cache could not update its index ({e})")
             finally:

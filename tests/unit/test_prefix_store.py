@@ -280,6 +280,24 @@ def test_leftover_temporary_and_unindexed_files_are_swept(tmp_path):
     assert [p.name for p in index.entries_dir.iterdir()] == ["young.kv"]  # maybe another process's
 
 
+def test_an_index_left_over_its_budget_is_evicted_when_the_store_opens(tmp_path):
+    # A kill between indexing a write and evicting for it leaves the index over the budget;
+    # the next store on that folder (or one given a smaller budget) evicts it at once.
+    one = HEADER_SIZE + 4 * 12 + 1000
+    s = PrefixStore(tmp_path, FP, BS, budget_bytes=10**9, min_tokens=8)
+    prompts = [[k] * 12 for k in (1, 2, 3)]
+    for t in prompts:
+        save(s, t, size=1000)
+        time.sleep(0.01)
+    s.close()
+    s = PrefixStore(tmp_path, FP, BS, budget_bytes=2 * one, min_tokens=8)
+    s.close()
+    index = PrefixIndex(tmp_path)
+    assert sorted(e.key for e in index.entries()) == sorted(entry_key(model_digest(FP), t) for t in prompts[1:])
+    assert sorted(p.name for p in index.entries_dir.iterdir()) == sorted(e.key + ".kv" for e in index.entries())
+    index.close()
+
+
 def _tmpfs(path: Path, size: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
     return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
