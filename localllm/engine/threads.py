@@ -9,7 +9,9 @@ right: on an idle machine every physical core is fastest, on a busy one fewer ar
 So the engine times its own steps and moves. Decode and prefill are judged apart (decode is
 bound by memory, prefill by compute, and their best counts differ), each an ``_Arm`` holding
 the count in use and, per count and step size (a power-of-two bucket of tokens, as the
-drafter's StepCost keeps them), the recent seconds a step took. Now and then the arm runs a
+drafter's StepCost keeps them), the recent seconds a step took. A prefill step's time grows
+with its tokens (compute), so within its bucket it is compared as if it had the bucket's most
+tokens: a 146-token step and a 256-token one are the same load, not a 75 % drift. Now and then the arm runs a
 step on a neighbouring count, a *probe*: if that count is faster by ``DRIFT`` on that step,
 or by ``MARGIN`` on it and on a second one, it becomes the count in use. A probe is compared
 with the count in use's recent time; where that is older than ``STALE`` (the load may have
@@ -171,6 +173,8 @@ class ThreadChooser:
         arm = self._arms[kind]
         now = self.clock()
         b = bucket(num_tokens)
+        if kind == "prefill":  # compute-bound: as if the step had its bucket's most tokens
+            seconds *= (1 << b) / max(1, num_tokens)
         probe = arm.probe
         if probe is not None and threads == probe.count and not probe.unmatched:
             base = arm.recent.get((arm.current, b))
@@ -188,9 +192,12 @@ class ThreadChooser:
             probe.unmatched = None
             if pb == b:
                 self._judge(arm, probe, b, ps, seconds, last=True)
-            else:  # a step of another size: no comparison; try again soon
+            else:  # a step of another size: no comparison. Try again, later each time (a
+                # server's prompts come seconds apart, in all sizes: every probe would be lost)
                 arm.probe = None
-                arm.due[probe.count] = self._work + MIN_GAP
+                gap = min(2 * arm.gap.get(probe.count, MIN_GAP / 2), MAX_GAP)
+                arm.gap[probe.count] = gap
+                arm.due[probe.count] = self._work + gap
             return
         ref = arm.ref.get(b)
         if ref is None:
