@@ -25,7 +25,9 @@ Probes come
   ``FLOOR_UNSEEN`` passed, where idle CPUs are unknown);
 - soon, upward, when CPUs sat idle while the arm runs on fewer than it may (load went; read
   from /proc/stat where the system has it);
-- first after ``FIRST_STEPS`` steps (the load may be there from the start), then on a timer
+- soon, the same way, when the other kind of step moved;
+- first after ``FIRST_STEPS`` steps (the load may be there from the start; for prefill, whose
+  steps are long, once the work done pays for a probe), then on a timer
   per count that doubles after each probe that lost, up to ``MAX_GAP``, and is never shorter
   than keeps what lost probes cost under ``COST_SHARE`` of the time.
 
@@ -138,9 +140,13 @@ class ThreadChooser:
         self._check_spare(arm)
         # A neighbour not tried yet is tried after FIRST_STEPS steps on the count in use (the
         # load may be there from the start); after that, when its timer says (or the load moves).
+        # A prefill step can take a second, and a probe can double it: its first probe waits
+        # until the work done pays for one; load there from the start shows in the decode
+        # steps first, cheap to probe, and a move there brings one at once.
+        first = arm.steps >= FIRST_STEPS and (
+            kind != "prefill" or work * COST_SHARE >= arm.recent[(arm.current, bucket(num_tokens))][0])
         due = [c for c in (arm.current - 1, arm.current + 1)
-               if 1 <= c <= self.max_threads
-               and (work >= arm.due[c] if c in arm.due else arm.steps >= FIRST_STEPS)]
+               if 1 <= c <= self.max_threads and (work >= arm.due[c] if c in arm.due else first)]
         if not due:
             return arm.current
         count = min(due, key=lambda c: arm.due.get(c, work))  # the longest overdue first
@@ -244,6 +250,12 @@ class ThreadChooser:
             onward = probe.count + (probe.count - old)
             won = base - seconds
             arm.due = {onward: work + MIN_GAP, old: work + max(4 * MIN_GAP, min(MAX_GAP, won / COST_SHARE))}
+            # The other kind of step meets the same machine: it tries the same way (once the
+            # last loss of that count is paid for).
+            for other in self._arms.values():
+                c = other.current + (probe.count - old)
+                if other is not arm and 1 <= c <= self.max_threads:
+                    other.due[c] = max(work, other.floor.get(c, work))
             return
         if probe.ratios[-1] < 1 - MARGIN:  # faster, but not surely: try again soon
             arm.due[probe.count] = work + MIN_GAP

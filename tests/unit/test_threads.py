@@ -181,7 +181,9 @@ def test_prefill_follows_the_load_that_decode_steps_reveal():
         m.run(c, until=m.t + 2.5, kind="decode")
         prefills += m.run(c, until=m.t + 0.001, kind="prefill", num_tokens=200)
     idle = [n for t, n, _ in prefills if t < 20]
-    assert idle.count(2) == len(idle) - 1  # one probe of 1 thread, after four prompts
+    # No probe of 1 thread while idle: the 3 s of work done by then would not pay for one
+    # (the decode steps, cheap to probe, would have shown load).
+    assert idle == [2] * len(idle)
     loaded = [n for t, n, _ in prefills if t >= 20]
     # Told by the decode steps, its first prompt under load runs on 1 thread, and the second on
     # 2 to compare with (the time on 2 it had is from before the load); from the third on, 1,
@@ -245,3 +247,25 @@ def test_a_servers_prompts_of_every_size_bring_few_costly_probes():
     assert c.current("prefill") == c.current("decode") == 2
     assert lost / work < 0.02, f"prefill probes cost {lost:.2f} s of {work:.0f}"
     assert c.counters("prefill")[0] <= 5  # 4 here; 8 when a burst's sizes read as load
+
+
+def test_load_there_from_the_start_moves_prefill_as_soon_as_decode_moves():
+    # Busy from the first step: a prefill step takes 3 s on 2 threads, 1.3 s on 1. Its first
+    # probe would wait for the work to pay for it (150 s); the decode steps, cheap to probe,
+    # find 1 thread within a few seconds, and the prefill steps follow at the next prompt.
+    def cost(kind, n, t):
+        if kind == "prefill":
+            return {1: 1.3, 2: 3.0}[n]
+        return two_cores(load_from=0)(kind, n, t)
+
+    m = Machine(cost, spare=lambda t: 0.0)
+    c = m.chooser(2)
+    prefills = []
+    while m.t < 40:
+        prefills += m.run(c, until=m.t + 0.001, kind="prefill", num_tokens=200)
+        m.run(c, until=m.t + 2.5, kind="decode")
+    # The first two prompts come before decode has moved; the third is the probe the move
+    # brings; the fourth, on 2 again, gives a fresh time to compare with (the last was 9 s
+    # old); from then on, 1 thread (without the hint: 2, until 150 s of work).
+    assert [n for _, n, _ in prefills] == [2, 2, 1, 2] + [1] * (len(prefills) - 4), prefills
+    assert c.current("decode") == c.current("prefill") == 1
