@@ -15,7 +15,8 @@ tokens: a 146-token step and a 256-token one are the same load, not a 75 % drift
 step on a neighbouring count, a *probe*: if that count is faster by ``DRIFT`` on that step,
 or by ``MARGIN`` on it and on a second one, it becomes the count in use. A probe is compared
 with the count in use's recent time; where that is older than ``STALE`` (the load may have
-moved since: a prompt a minute after the last), with the next step on the count in use.
+moved since: a prompt a minute after the last), with the next step of its size on the count
+in use.
 
 Probes come
 
@@ -52,6 +53,7 @@ MIN_GAP = 0.5  # seconds of work: the first wait before probing a count again
 MAX_GAP = 30.0  # seconds of work: the longest wait between timer probes of one count
 COST_SHARE = 0.02  # lost probes may cost this share of the working time, at most
 STALE = 2.0  # seconds (wall clock): an older step time is replaced by a new one, and not compared with
+MATCH_WITHIN = 60.0  # seconds (wall clock): a probe step waits this long for a fresh step of its size to compare with
 ALPHA = 0.3  # weight of a new step in a count's recent step time
 SPARE_CPUS = 0.75  # idle CPUs beyond this, with room above the count in use: probe upward
 SPARE_EVERY = 0.5  # seconds (wall clock) between reads of the CPUs' idle time
@@ -68,7 +70,7 @@ class _Probe:
     count: int
     ratios: list[float] = field(default_factory=list)  # probe step time / the count in use's
     extra: float = 0.0  # seconds the probe's steps took beyond what the count in use would have
-    unmatched: tuple[int, float] | None = None  # (bucket, seconds) of a step awaiting a fresh time to compare
+    unmatched: tuple[int, float, float] | None = None  # (bucket, seconds, when) of a step awaiting a fresh time to compare
 
 
 @dataclass
@@ -185,7 +187,7 @@ class ThreadChooser:
         if probe is not None and threads == probe.count and not probe.unmatched:
             base = arm.recent.get((arm.current, b))
             if base is None or now - base[1] > STALE:
-                probe.unmatched = (b, seconds)  # compare with the next step on the count in use
+                probe.unmatched = (b, seconds, now)  # compare with the next step of its size on the count in use
             else:
                 self._judge(arm, probe, b, seconds, base[0])
             return
@@ -194,17 +196,19 @@ class ThreadChooser:
         t = self._remember(arm, threads, b, seconds, now)
         arm.steps += 1
         if probe is not None and probe.unmatched:
-            pb, ps = probe.unmatched
-            probe.unmatched = None
+            pb, ps, when = probe.unmatched
             if pb == b:
+                probe.unmatched = None
                 self._judge(arm, probe, b, ps, seconds, last=True)
-            else:  # a step of another size: no comparison. Try again, later each time (a
-                # server's prompts come seconds apart, in all sizes: every probe would be lost)
+                return
+            if now - when > MATCH_WITHIN:
+                # No step of its size came to compare with (steps of other sizes do not
+                # tell: a prompt's short head and its long body come in turn). Try again,
+                # later each time.
                 arm.probe = None
                 gap = min(2 * arm.gap.get(probe.count, MIN_GAP / 2), MAX_GAP)
                 arm.gap[probe.count] = gap
                 arm.due[probe.count] = self._work + gap
-            return
         ref = arm.ref.get(b)
         if ref is None:
             arm.ref[b] = t

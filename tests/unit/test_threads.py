@@ -269,3 +269,30 @@ def test_load_there_from_the_start_moves_prefill_as_soon_as_decode_moves():
     # old); from then on, 1 thread (without the hint: 2, until 150 s of work).
     assert [n for _, n, _ in prefills] == [2, 2, 1, 2] + [1] * (len(prefills) - 4), prefills
     assert c.current("decode") == c.current("prefill") == 1
+
+
+def test_prompts_in_two_steps_of_different_sizes_far_apart_still_move_prefill():
+    # One busy process from the start, a prompt a minute: its cached head (8 tokens) and its
+    # body (142) are prefill steps of different sizes, in turn. A probe of the body on 1
+    # thread waits for the next body on 2 to compare with; the heads between do not tell.
+    def cost(kind, n, t, tokens=1):
+        if kind == "prefill":
+            return tokens * {1: 0.008, 2: 0.017}[n]
+        return two_cores(load_from=0)(kind, n, t)
+
+    m = Machine(cost, spare=lambda t: 0.0)
+    c = m.chooser(2)
+    bodies = []
+    for _ in range(12):
+        for tokens in (8, 142):
+            n = c.pick("prefill", tokens)
+            s = cost("prefill", n, m.t, tokens)
+            c.record("prefill", n, tokens, s)
+            m.t += s
+            if tokens == 142:
+                bodies.append(n)
+        m.run(c, until=m.t + 3.0)
+        m.t += 60.0
+    # Decode moves within its first answer and brings a probe; the bodies on 1 thread from
+    # the fourth prompt on (before this was fixed, every one ran on 2).
+    assert bodies == [2, 2, 2] + [1] * 9 and c.current("prefill") == 1, bodies
