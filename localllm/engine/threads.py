@@ -11,12 +11,12 @@ bound by memory, prefill by compute, and their best counts differ), each an ``_A
 the count in use and, per count and step size (a power-of-two bucket of tokens, as the
 drafter's StepCost keeps them), the recent seconds a step took. A prefill step's time grows
 with its tokens (compute), so within its bucket it is compared as if it had the bucket's most
-tokens: a 146-token step and a 256-token one are the same load, not a 75 % drift. Now and then the arm runs a
-step on a neighbouring count, a *probe*: if that count is faster by ``DRIFT`` on that step,
-or by ``MARGIN`` on it and on a second one, it becomes the count in use. A probe is compared
-with the count in use's recent time; where that is older than ``STALE`` (the load may have
-moved since: a prompt a minute after the last), with the next step of its size on the count
-in use.
+tokens: a 146-token step and a 256-token one are the same load, not a 75 % drift. Now and
+then the arm runs a step on a neighbouring count, a *probe*: if that count is faster by
+``DRIFT`` on that step, or by ``MARGIN`` on it and on a second one, it becomes the count in
+use. A probe is compared with the count in use's recent time; where that is older than
+``STALE`` (the load may have moved since: a prompt a minute after the last), with the next
+step of its size on the count in use (within ``MATCH_WITHIN``).
 
 Probes come
 
