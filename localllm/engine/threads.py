@@ -16,7 +16,8 @@ then the arm runs a step on a neighbouring count, a *probe*: if that count is fa
 ``DRIFT`` on that step, or by ``MARGIN`` on it and on a second one, it becomes the count in
 use. A probe is compared with the count in use's recent time; where that is older than
 ``STALE`` (the load may have moved since: a prompt a minute after the last), with the next
-step of its size on the count in use (within ``MATCH_WITHIN``).
+step of its size on the count in use (within ``MATCH_WITHIN``; none coming, with that older
+time after all).
 
 Probes come
 
@@ -202,13 +203,11 @@ class ThreadChooser:
                 self._judge(arm, probe, b, ps, seconds, last=True)
                 return
             if now - when > MATCH_WITHIN:
-                # No step of its size came to compare with (steps of other sizes do not
-                # tell: a prompt's short head and its long body come in turn). Try again,
-                # later each time.
-                arm.probe = None
-                gap = min(2 * arm.gap.get(probe.count, MIN_GAP / 2), MAX_GAP)
-                arm.gap[probe.count] = gap
-                arm.due[probe.count] = self._work + gap
+                # No step of its size came in time (steps of other sizes do not tell: a
+                # prompt's short head and its long body come in turn): judged against the
+                # older time after all, so that what it lost is paid for before the next.
+                probe.unmatched = None
+                self._judge(arm, probe, pb, ps, arm.recent[(arm.current, pb)][0], last=True)
         ref = arm.ref.get(b)
         if ref is None:
             arm.ref[b] = t

@@ -296,3 +296,33 @@ def test_prompts_in_two_steps_of_different_sizes_far_apart_still_move_prefill():
     # Decode moves within its first answer and brings a probe; the bodies on 1 thread from
     # the fourth prompt on (before this was fixed, every one ran on 2).
     assert bodies == [2, 2, 2] + [1] * 9 and c.current("prefill") == 1, bodies
+
+
+def test_probes_with_nothing_fresh_to_compare_with_are_still_paid_for():
+    # Two busy processes: a prompt's body (142 tokens) takes 1.4 s on 1 thread, 2.6 s on 2.
+    # A prompt every 100 s, its cached head and its body with decode steps between (as
+    # benchmarks/busy_machine.py runs them): a probe of the body on 2 threads finds no fresh
+    # time on 1 to compare with, nor a body within a minute; it is judged against the older
+    # time, and what it lost holds off the next probe.
+    def cost(kind, n, t, tokens=1):
+        if kind == "prefill":
+            return tokens * {1: 0.010, 2: 0.018}[n]
+        return two_cores(load_from=0)(kind, n, t)
+
+    def prefill(tokens):
+        n = c.pick("prefill", tokens)
+        s = cost("prefill", n, m.t, tokens)
+        c.record("prefill", n, tokens, s)
+        m.t += s
+        return n
+
+    m = Machine(cost, spare=lambda t: 0.0)
+    c = m.chooser(2)
+    bodies = []
+    for _ in range(30):
+        prefill(8)
+        m.run(c, until=m.t + 5.0)
+        bodies.append(prefill(142))
+        m.t += 95.0
+    assert c.current("prefill") == 1
+    assert bodies.count(2) <= 4, bodies  # 4 here: the first two, and two probes; 6 when unpaid
