@@ -208,6 +208,7 @@ class ThreadChooser:
                 # older time after all, so that what it lost is paid for before the next.
                 probe.unmatched = None
                 self._judge(arm, probe, pb, ps, arm.recent[(arm.current, pb)][0], last=True)
+                return  # (a move clears the references this step would otherwise set)
         ref = arm.ref.get(b)
         if ref is None:
             arm.ref[b] = t
