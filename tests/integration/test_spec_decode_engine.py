@@ -2,7 +2,7 @@
 greedy output unchanged by drafting (single and batched; exactly so on the torch runner), the
 KV cache rolled back to exactly the accepted tokens, stops and limits inside an accepted run,
 and sampling that keeps the model's distribution (a chi-square test). The single-prompt and
-chi-square cases are marked heavy: the test command runs them trimmed (8 prompts, 192 seeds
+chi-square cases are marked heavy: the test command runs them trimmed (5 prompts, 192 seeds
 an arm), ``--full`` at full size (20 prompts, 640 seeds an arm)."""
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ PROMPTS = [
     "Write a regular expression that matches an ISO date like 2024-05-17.",
     "Fix the bug: def add(a, b): return a - b",
 ]
-# The trimmed run's eight: the five where drafts are mostly right, and three with few or none.
-TRIMMED = PROMPTS[:5] + [PROMPTS[i] for i in (5, 11, 19)]
+# The trimmed run's five: three where drafts are mostly right (an edit of code, a change of its
+# types, a text repeated), a list the prompt does not hold, an answer with no drafts at all.
+TRIMMED = [PROMPTS[i] for i in (0, 1, 3, 5, 11)]
 MAX_TOKENS = 64
 # How far apart (nats) the plain run's choice and the drafted run's may be where they part:
 # 0.126 was seen on an AVX2-only EPYC (llama.cpp's AVX2 kernels), under 0.1 on AVX-512 ones.
@@ -186,7 +187,7 @@ def test_sampling_with_drafts_keeps_the_models_distribution(engines, qwen_path, 
     engine = engines.get(qwen_path, runner, n_ctx=8192, max_num_seqs=64)
     prompt = chat(engine, "Continue this list of random colors, one per line, with 20 more:\n"
                           "red\nblue\ngreen\nred\ngreen\nblue\nblue\nred\ngreen\nyellow\nred")
-    params = dict(temperature=1.0, top_k=4, max_tokens=4)
+    params = dict(temperature=1.0, top_k=4, max_tokens=3)  # the third token is the last tested
     counts: dict[bool, dict[tuple[int, ...], int]] = {}
     accepted = rejected = 0
     for speculative in (False, True):
