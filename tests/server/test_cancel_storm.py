@@ -1,5 +1,5 @@
 """Clients that leave at any point: streaming requests cancelled at random points (before the
-response, during prefill, mid-stream; FIN or RST; 64 in the test command's run, 200 under
+response, during prefill, mid-stream; FIN or RST; 48 in the test command's run, 200 under
 --full), a stream closed in a long prefill, and a plain request dropped mid-generation.
 Afterwards: 0 KV blocks used, no request running, waiting or in flight, no llama.cpp slot held,
 and the same answer as before. The full 1,000 run: benchmarks/cancel_storm.py."""
@@ -82,7 +82,7 @@ def raw_post(port: int, path: str, body: dict, api_key: str) -> socket.socket:
 
 @pytest.mark.heavy
 def test_streams_cancelled_at_random_points_leave_nothing_behind(live_server, http, model_id, full):
-    num_requests = 200 if full else 64
+    num_requests = 200 if full else 48
     before = france(http, model_id)
     log_start = len(live_server.log())
 
