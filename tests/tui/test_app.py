@@ -464,7 +464,7 @@ async def test_a_message_longer_than_the_context_is_refused_inline(make_app, sto
 
 async def test_the_view_follows_the_answer_until_the_person_scrolls_up(make_app):
     app = make_app(max_tokens=1500)
-    async with app.run_test(size=(100, 20)) as pilot:
+    async with app.run_test(size=(100, 14)) as pilot:  # a short view: a few lines outgrow it
         await wait_ready(pilot)
         view = app.messages_view
         app.prompt.load_text(LONG_PROMPT)
