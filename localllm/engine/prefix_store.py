@@ -64,6 +64,8 @@ HEADER_SIZE = _HEADER.size
 ENTRY_SUFFIX = ".kv"
 _TMP_PREFIX = ".tmp-"
 _STALE_S = 600.0  # temporary / unindexed files older than this are leftovers of a crash
+_OPEN_TIMEOUT_S = 10.0  # how long opening the index waits for another connection's lock
+_OPENING = threading.Lock()  # one connection of this process opens an index at a time
 DEFAULT_BUDGET = 2 * 1024**3
 DEFAULT_MIN_TOKENS = 256
 MAX_PENDING_BYTES = 512 * 1024**2  # writes queued beyond this are skipped, never waited for
@@ -176,17 +178,37 @@ class PrefixIndex:
         db = getattr(self._local, "db", None)
         if db is None:
             self.entries_dir.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.path, timeout=10.0, isolation_level=None)
+            # Turning a new file to WAL takes its exclusive lock, and a connection refused it
+            # there is refused at once, its busy timeout unused: this process's threads (the
+            # engine's first lookup, the writer's start-up sweep) open one at a time, and a
+            # connection that lost to another process's tries again.
+            deadline = time.monotonic() + _OPEN_TIMEOUT_S
+            with _OPENING:
+                while True:
+                    try:
+                        db = self._connect()
+                        break
+                    except sqlite3.OperationalError as e:
+                        if "locked" not in str(e) or time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.05)
+            self._local.db = db
+        return db
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, timeout=_OPEN_TIMEOUT_S, isolation_level=None)
+        try:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             version = db.execute("PRAGMA user_version").fetchone()[0]
             if version not in (0, INDEX_VERSION):
-                db.close()
                 raise OSError(f"the prefix-cache index {self.path} is of version {version}; "
                               f"run `localllm cache clear`")
             db.executescript(_SCHEMA)
             db.execute(f"PRAGMA user_version={INDEX_VERSION}")
-            self._local.db = db
+        except BaseException:
+            db.close()
+            raise
         return db
 
     def file(self, key: str) -> Path:

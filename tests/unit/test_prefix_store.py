@@ -428,3 +428,46 @@ def test_parse_size(text, value):
 def test_parse_size_refuses_what_is_not_a_size(text):
     with pytest.raises(ValueError, match="like 2GiB"):
         parse_size(text)
+
+
+def test_threads_opening_a_new_index_at_once_all_get_it(tmp_path):
+    """The engine's first lookup and the writer thread's start-up sweep open a new store's
+    index at the same moment. Turning a new SQLite file to WAL needs its exclusive lock, and
+    the one that waits for it is refused at once, its busy timeout unused: each open must
+    still succeed (it warned "database is locked" and lost the start-up eviction)."""
+    import threading
+
+    for attempt in range(30):
+        index = PrefixIndex(tmp_path / f"store{attempt}")
+        start, errors = threading.Barrier(4), []
+
+        def open_it():
+            start.wait()
+            try:
+                index.total_size()
+            except Exception as e:  # noqa: BLE001 - every failure is the finding
+                errors.append(e)
+            finally:
+                index.close()
+
+        threads = [threading.Thread(target=open_it) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == [], errors
+
+
+def test_processes_opening_a_new_index_at_once_all_get_it(tmp_path):
+    """The same across processes (a server and a chat app started together on a new cache
+    folder): the one refused the lock tries again. Three processes open each of four new
+    stores at one moment (without the retry about one process in five failed)."""
+    child = ("import sys, time\nfrom pathlib import Path\nfrom localllm.engine.prefix_store import PrefixIndex\n"
+             "at = float(sys.argv[2])\nwhile time.time() < at:\n    pass\n"
+             "print(PrefixIndex(Path(sys.argv[1])).total_size())\n")
+    for attempt in range(4):
+        at = time.time() + 1.0  # after the three have started
+        procs = [subprocess.Popen([sys.executable, "-c", child, str(tmp_path / f"store{attempt}"), str(at)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+        results = [p.communicate(timeout=60) for p in procs]
+        assert [(p.returncode, out, err) for p, (out, err) in zip(procs, results)] == [(0, "0\n", "")] * 3
