@@ -42,6 +42,7 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob), best first
     finished: bool = False
     finish_reason: str | None = None
+    stop_sequence: str | None = None  # at the end: the stop string that ended it, if one did
     metrics: RequestMetrics | None = None
     num_cached_tokens: int | None = None  # with the first token: prompt tokens the prefix cache gave
 
@@ -283,6 +284,7 @@ class LLMEngine:
                 merged.num_cached_tokens = out.num_cached_tokens
             if out.finished:
                 merged.finished, merged.finish_reason, merged.metrics = True, out.finish_reason, out.metrics
+                merged.stop_sequence = out.stop_sequence
                 break
         if not merged.finished:
             self.block_manager.cache_full_blocks(seq)
@@ -343,6 +345,7 @@ class LLMEngine:
         del self._seqs[seq.request_id]
         result.finished = True
         result.finish_reason = reason.value
+        result.stop_sequence = detok.stop_matched
         result.metrics = RequestMetrics.of(seq)
         return result
 
@@ -371,6 +374,7 @@ class LLMEngine:
                     m.top_logprobs = (m.top_logprobs or []) + o.top_logprobs
                 if o.finished:
                     m.finished, m.finish_reason, m.metrics = True, o.finish_reason, o.metrics
+                    m.stop_sequence = o.stop_sequence
         return [merged[s.request_id] for s in seqs]
 
     def stats(self) -> EngineStats:
