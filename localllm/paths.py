@@ -69,3 +69,8 @@ def models_manifest() -> Path:
 def history_db() -> Path:
     """The chat app's saved conversations (SQLite)."""
     return data_dir() / "conversations.db"
+
+
+def responses_db() -> Path:
+    """The responses `localllm serve` keeps for OpenAI's Responses API (SQLite)."""
+    return data_dir() / "responses.db"

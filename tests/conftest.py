@@ -34,20 +34,35 @@ def gemma_path() -> Path:
     return _model("gemma3-270m")
 
 
+@pytest.fixture(scope="session")
+def minilm_path() -> Path:
+    """all-MiniLM-L6-v2 as an f16 GGUF (arch bert, mean pooling): the embedding model."""
+    return _model("all-minilm-l6-v2")
+
+
+@pytest.fixture(scope="session")
+def minilm_dir(minilm_path) -> Path:
+    """The safetensors folder minilm_path was converted from, for sentence-transformers."""
+    return test_models.source_dir("all-minilm-l6-v2")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _own_cache_folder(tmp_path_factory):
-    """Every test, and every `localllm` process a test starts, keeps its prefix cache in a
-    folder of this session's own, never the user's: XDG_CACHE_HOME moves platformdirs' cache
-    folder (tests that need a particular home set LOCALLLM_HOME, which wins)."""
-    old = os.environ.get("XDG_CACHE_HOME")
+    """Every test, and every `localllm` process a test starts, keeps its prefix cache and its
+    data (the responses `serve` keeps, say) in folders of this session's own, never the user's:
+    XDG_CACHE_HOME and XDG_DATA_HOME move platformdirs' folders (tests that need a particular
+    home set LOCALLLM_HOME, which wins)."""
+    old = {key: os.environ.get(key) for key in ("XDG_CACHE_HOME", "XDG_DATA_HOME")}
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    os.environ["XDG_DATA_HOME"] = str(tmp_path_factory.mktemp("xdg-data"))
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("XDG_CACHE_HOME", None)
-        else:
-            os.environ["XDG_CACHE_HOME"] = old
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""`localllm serve`: load the model, start the engine thread, serve OpenAI's API over HTTP."""
+"""`localllm serve`: load the model, start the engine thread, serve its HTTP API (server/app.py)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
                 print(f"localllm serve: {base}  model {model}", file=sys.stderr, flush=True)
                 if engine.engine.kv_pool_summary:
                     print(f"KV cache: {engine.engine.kv_pool_summary}", file=sys.stderr, flush=True)
+                print(f"Context: {engine.engine.max_model_len} tokens per request, prompt and answer together",
+                      file=sys.stderr, flush=True)
                 print(f"Editors: add an OpenAI-compatible provider with base URL {base}, model {model}"
                       f"{', and your --api-key' if server_config.api_key else ', any API key'}",
                       file=sys.stderr, flush=True)

@@ -12,15 +12,9 @@ from __future__ import annotations
 import asyncio
 
 import h11
-from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from localllm.server.protocol import ErrorBody, ErrorResponse
-
-
-def _error(status: int, message: str, code: str, headers: dict | None = None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorBody(message=message, type="invalid_request_error", code=code))
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+from localllm.server.errors import ErrorBody, ErrorResponse, error_response
 
 
 class BodyGuard:
@@ -41,9 +35,9 @@ class BodyGuard:
         try:
             body = await asyncio.wait_for(self._read(receive), self.read_timeout_s)
         except asyncio.TimeoutError:
-            response = _error(408, f"the request body did not arrive within {self.read_timeout_s:g} s of its headers; "
-                                   "send it whole, without pauses", code="request_timeout",
-                              headers={"Connection": "close"})
+            response = error_response(scope["path"], 408, "the request body did not arrive within "
+                                      f"{self.read_timeout_s:g} s of its headers; send it whole, without pauses",
+                                      code="request_timeout", headers={"Connection": "close"})
             return await response(scope, receive, send)
         if body is None:  # the client left before the body ended: nobody to answer
             return
@@ -76,9 +70,9 @@ class BodyGuard:
 
     async def _too_large(self, size: int, scope, receive, send, at_least: bool = False) -> None:
         size_text = f"at least {size}" if at_least else f"{size}"
-        response = _error(413, f"the request body of {size_text} bytes is over the limit of {self.max_bytes} "
-                               "bytes; send a shorter request", code="request_too_large",
-                          headers={"Connection": "close"})
+        response = error_response(scope["path"], 413, f"the request body of {size_text} bytes is over the limit of "
+                                  f"{self.max_bytes} bytes; send a shorter request", code="request_too_large",
+                                  headers={"Connection": "close"})
         await response(scope, receive, send)
 
 

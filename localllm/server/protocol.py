@@ -230,24 +230,25 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+class ModelMeta(BaseModel):
+    """llama-server's `meta` of a model: the context this server gives a request, the one the
+    model was trained for (null where its file does not say), its vocabulary."""
+
+    n_ctx: int
+    n_ctx_train: int | None
+    n_vocab: int
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "localllm"
+    context_length: int  # tokens one request may hold, prompt and answer together
+    max_model_len: int  # the same, by vLLM's name
+    meta: ModelMeta
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorBody

@@ -36,6 +36,7 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 # Every route of the server with its methods; a new route must be added here, and so audited.
 ROUTES = {
     ("/v1/chat/completions", "POST"), ("/v1/completions", "POST"), ("/v1/models", "GET"),
+    ("/v1/messages", "POST"), ("/v1/messages/count_tokens", "POST"),
     ("/v1/models/{model_id}", "GET"), ("/health", "GET"), ("/metrics", "GET"),
     ("/openapi.json", "GET"), ("/openapi.json", "HEAD"), ("/docs", "GET"), ("/docs", "HEAD"),
     ("/docs/oauth2-redirect", "GET"), ("/docs/oauth2-redirect", "HEAD"), ("/redoc", "GET"), ("/redoc", "HEAD"),
@@ -139,7 +140,7 @@ def stub_app(tmp_path: Path, **config) -> tuple[TestClient, Path]:
     """The real app over an engine stub that only the routes below never call."""
     model_path = tmp_path / "served-model.gguf"
     engine = SimpleNamespace(engine=SimpleNamespace(
-        tokenizer=None, max_model_len=1024, config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=4))))
+        tokenizer=SimpleNamespace(n_vocab=1000), max_model_len=1024, config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=4))))
     return TestClient(create_app(engine, model_path, ServerConfig(**config)), raise_server_exceptions=True), model_path
 
 
@@ -204,7 +205,11 @@ def test_no_route_opens_a_file_the_request_names(tmp_path):
     sys.addaudithook(hook)  # cannot be removed; it records only while `watching`
     names = [str(secret), str(model_path), "../" * 8 + "etc/passwd", "/etc/passwd", "file:///etc/passwd",
              "~/.ssh/id_rsa", str(tmp_path), "secret", "secret.gguf"]
-    client.get("/v1/models")  # the first request's lazy imports open modules: not part of the check
+    # A route's first request opens modules (lazy imports; FastAPI reads the endpoint's source
+    # file for its error context): not part of the check.
+    client.get("/v1/models")
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens"):
+        client.post(path, json={"model": "warm-up", "prompt": "", "messages": [{"role": "user", "content": ""}]})
     watching = True
     try:
         for name in names:
@@ -213,6 +218,11 @@ def test_no_route_opens_a_file_the_request_names(tmp_path):
                 body.pop("prompt" if "chat" in path else "messages")
                 error = error_of(client.post(path, json=body), 404)
                 assert error["code"] == "model_not_found" and error["param"] == "model"
+            for path in ("/v1/messages", "/v1/messages/count_tokens"):
+                body = {"model": name, "messages": [{"role": "user", "content": name}]}
+                response = client.post(path, json=body | ({"max_tokens": 4} if path == "/v1/messages" else {}))
+                assert response.status_code == 404
+                assert response.json()["error"]["type"] == "not_found_error"
             error_of(client.get(f"/v1/models/{quote(name, safe='')}"), 404)
             error_of(client.get(f"/{name.lstrip('/')}"), 404)
     finally:

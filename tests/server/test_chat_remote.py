@@ -73,7 +73,7 @@ def test_load_picks_the_served_model(live_server):
     assert backend.base_url == live_server.base_url
     backend.load()
     assert backend.model_name == live_server.model_path.stem == "qwen2.5-coder-0.5b-instruct-q4_k_m"
-    assert backend.n_ctx is None  # /v1/models does not say
+    assert backend.n_ctx == SERVER_CTX  # /v1/models' context_length: what a reply may fill
 
 
 def test_load_keeps_a_model_named_by_the_person(live_server):

@@ -1,7 +1,8 @@
 """Schemathesis against a real `localllm serve` (Qwen2.5-Coder-0.5B): every operation in the
 server's own /openapi.json, with valid and invalid bodies, paths and headers. No response may
-be a 5xx, every error must be OpenAI's error object, every body strict JSON (no NaN), and the
-server must be whole afterwards: alive, idle, nothing in its log.
+be a 5xx, every error must be its protocol's error object, every body strict JSON (no NaN), and the
+server must be whole afterwards: alive, idle, nothing in its log. Errors under /v1/messages are
+Anthropic's object, and its streams Anthropic's named events.
 
 Two passes. The first fuzzes the schema as served, valid and invalid data alike; most of its
 bodies are rightly refused with a 400 before the engine. The second narrows the schema to
@@ -46,7 +47,7 @@ def _served_spec(live_server) -> dict:
     headers = {"Authorization": f"Bearer {live_server.api_key}"}
     spec = httpx.get(f"{live_server.url}/openapi.json", headers=headers, timeout=30).json()
     model_id = httpx.get(f"{live_server.base_url}/models", headers=headers, timeout=30).json()["data"][0]["id"]
-    for name in ("ChatCompletionRequest", "CompletionRequest"):
+    for name in ("ChatCompletionRequest", "CompletionRequest", "MessagesRequest", "CountTokensRequest"):
         spec["components"]["schemas"][name]["properties"]["model"] = {"type": "string", "enum": [model_id]}
     return spec
 
@@ -74,6 +75,14 @@ def valid_schema(live_server):
     schemas["CompletionRequest"]["properties"]["prompt"] = {"anyOf": [
         text, {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 150_000},
                "minItems": 1, "maxItems": 64}]}
+    # Anthropic's door: text turns, no tools or schemas (their grammars are the chat door's too).
+    schemas["Message"]["properties"] = {"role": {"enum": ["user", "assistant"]}, "content": text}
+    for name in ("MessagesRequest", "CountTokensRequest"):
+        for key in ("tools", "tool_choice", "output_config"):
+            schemas[name]["properties"].pop(key)
+        schemas[name]["properties"]["messages"]["maxItems"] = 4
+    schemas["MessagesRequest"]["properties"]["stop_sequences"] = {"anyOf": [
+        {"type": "array", "items": text, "maxItems": 4}, {"type": "null"}]}
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         schemas[name]["properties"].pop("logit_bias")
         schemas[name]["properties"]["stop"] = {"anyOf": [text, {"type": "array", "items": text, "maxItems": 4},
@@ -92,6 +101,14 @@ def _strict_json(text: str):
     def no_constant(name: str):
         raise AssertionError(f"the server sent {name}, which is not JSON")
     return json.loads(text, parse_constant=no_constant)
+
+
+def _check_anthropic_error(body) -> None:
+    assert isinstance(body, dict) and set(body) == {"type", "error"} and body["type"] == "error", body
+    error = body["error"]
+    assert set(error) == {"type", "message"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert isinstance(error["type"], str) and error["type"], error
 
 
 def _check_error(body) -> None:
@@ -123,7 +140,7 @@ def _cap(body):
 
 @schema.parametrize()
 @settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
-def test_no_5xx_and_every_error_in_openai_shape(case):
+def test_no_5xx_and_every_error_in_its_protocols_shape(case):
     _call_and_check(case, "any")
 
 
@@ -142,9 +159,15 @@ def _call_and_check(case, run: str) -> None:
     assert response.status_code < 500, response.text
     content_type = response.headers.get("content-type", [""])
     content_type = content_type[0] if isinstance(content_type, list) else content_type
+    anthropic = case.operation.path.startswith("/v1/messages")
     if response.status_code >= 400:
         assert content_type == "application/json", content_type
-        _check_error(_strict_json(response.text))
+        (_check_anthropic_error if anthropic else _check_error)(_strict_json(response.text))
+    elif content_type.startswith("text/event-stream") and anthropic:
+        lines = [line for line in response.text.splitlines() if line]
+        events = [_strict_json(line[len("data: "):]) for line in lines[1::2]]
+        assert [line[len("event: "):] for line in lines[0::2]] == [e["type"] for e in events], response.text[-500:]
+        assert events[-1]["type"] in ("message_stop", "error"), response.text[-500:]
     elif content_type.startswith("text/event-stream"):
         events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
         assert events and events[-1] == "[DONE]", response.text[-500:]

@@ -112,6 +112,24 @@ def test_start_up_lines_name_the_url_and_the_kv_cache(live_server):
     assert f"localllm serve: http://127.0.0.1:{live_server.port}/v1  model {live_server.model_path.stem}" in lines
     # 4,096 tokens (--ctx) x 12,288 bytes: llama.cpp's own report of what it allocated.
     assert "KV cache: 4,096 tokens (48 MiB, f16): 1 conversation of 4k" in lines
+    assert "Context: 4096 tokens per request, prompt and answer together" in lines
+
+
+def test_models_report_the_context_that_serve_printed(live_server, http, model_id):
+    """context_length (and vLLM's max_model_len, llama-server's meta.n_ctx) is the number the
+    start-up printed; a request of exactly that many tokens is served, one more is a 400."""
+    printed = next(int(line.split()[1]) for line in live_server.log().splitlines() if line.startswith("Context: "))
+    for card in (http.get("/v1/models").json()["data"][0], http.get(f"/v1/models/{model_id}").json()):
+        assert card["context_length"] == card["max_model_len"] == card["meta"]["n_ctx"] == printed
+        assert card["meta"]["n_ctx_train"] == 32768  # Qwen2.5-Coder-0.5B's qwen2.context_length
+        assert card["meta"]["n_vocab"] == 151936
+    body = {"model": model_id, "prompt": FIB_IDS, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body | {"max_tokens": printed - len(FIB_IDS)}) as response:
+        assert response.status_code == 200  # admitted; leaving now aborts it
+        next(response.iter_lines())
+    err = error_body(http.post("/v1/completions", json=body | {"max_tokens": printed - len(FIB_IDS) + 1}), 400)
+    assert err["code"] == "context_length_exceeded" and f"maximum context length is {printed} tokens" in err["message"]
+    wait_idle(http)
 
 
 def test_model_retrieve(client, model_id):
@@ -603,11 +621,14 @@ def test_openapi_lists_the_routes_with_request_schemas(http):
         schema = schemas[ref.rsplit("/", 1)[1]]
         assert field in schema["properties"]
         assert field in schema["required"] and "model" in schema["required"]
-    # Errors are documented as they are sent: OpenAI's object, never FastAPI's 422.
-    for path_item in spec["paths"].values():
+    # Errors are documented as they are sent: each protocol's object, never FastAPI's 422.
+    assert {"/v1/messages", "/v1/messages/count_tokens"} <= set(spec["paths"])
+    for path, path_item in spec["paths"].items():
+        name = "AnthropicErrorResponse" if path.startswith("/v1/messages") else "ErrorResponse"
         for operation in path_item.values():
             assert "422" not in operation["responses"]
             assert operation["responses"]["400"]["content"]["application/json"]["schema"] == {
-                "$ref": "#/components/schemas/ErrorResponse"}
+                "$ref": f"#/components/schemas/{name}"}
     assert schemas["ErrorBody"]["required"] == ["message", "type", "param", "code"]
+    assert schemas["AnthropicErrorBody"]["required"] == ["type", "message"]
     assert "HTTPValidationError" not in schemas

@@ -1,0 +1,377 @@
+"""Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`) over the shared request
+path (core.Server), as Claude Code and the `anthropic` SDK speak it: its request and response
+shapes, its named-event stream, its errors (errors.py gives every error under /v1/messages
+Anthropic's shape).
+
+Requests are strict as Anthropic's are: an unknown top-level field or block type is a 400, as
+is a wrong type anywhere (fields a newer client adds inside a block or a tool are ignored).
+Image and document blocks are a 400 that says the model reads text only. A `tool_result` must
+answer a `tool_use` id an earlier assistant turn gave. `output_config.format` (a JSON schema)
+constrains the answer as OpenAI's response_format does. `thinking` is accepted (the reasoning
+parser is not built yet: a thinking model's text stays in its text block).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from localllm.errors import LocalLLMError
+from localllm.server.core import Choice, Server, ToolCall, json_or_text, sse
+from localllm.server.errors import APIError, error_body
+from localllm.server.protocol import Int
+
+# -- requests --------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Part(BaseModel):
+    """A block or a tool: its type is checked, its known fields are typed, and fields that
+    Anthropic's API adds later are ignored, so a newer client still works."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+CacheControl = dict[str, Any] | None  # prompt-caching hints: accepted; the prefix cache caches anyway
+
+
+class TextBlock(_Part):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl = None
+
+
+class ImageBlock(_Part):
+    type: Literal["image"]
+    source: dict[str, Any]
+
+
+class DocumentBlock(_Part):
+    type: Literal["document"]
+    source: dict[str, Any]
+
+
+class ToolUseBlock(_Part):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Part):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[Annotated[TextBlock | ImageBlock | DocumentBlock, Field(discriminator="type")]] | None = None
+    is_error: bool | None = None
+
+
+class ThinkingBlock(_Part):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(_Part):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+Block = Annotated[TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+                  | RedactedThinkingBlock, Field(discriminator="type")]
+
+
+class Message(_Request):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(_Part):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+
+
+class ToolChoice(_Request):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(_Request):
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: Int | None = Field(default=None, ge=1)
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class OutputFormat(_Request):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Request):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
+
+
+class Metadata(_Request):
+    user_id: str | None = None
+
+
+class CountTokensRequest(_Request):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    cache_control: CacheControl = None
+    speed: Literal["standard", "fast"] | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """What the anthropic SDK (2.16) sends, and the sampling values its older versions and
+    Claude Code send; the fields of Anthropic's hosted service (container, diagnostics,
+    inference_geo, service_tier, workspace_id, user_profile_id) are accepted and mean nothing here."""
+
+    max_tokens: Int = Field(ge=1)
+    stop_sequences: list[str] | None = Field(default=None, max_length=16)
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: Int | None = Field(default=None, ge=0)
+    metadata: Metadata | None = None
+    container: str | dict[str, Any] | None = None
+    diagnostics: dict[str, Any] | None = None
+    inference_geo: str | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+
+
+# -- responses -------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    input_tokens: int  # prompt tokens computed for this request (Anthropic's sense: cache reads apart)
+    output_tokens: int
+    cache_read_input_tokens: int = 0  # prompt tokens the prefix cache gave
+    cache_creation_input_tokens: int = 0
+
+
+class TextOut(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ToolUseOut(BaseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class MessageOut(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[Annotated[TextOut | ToolUseOut, Field(discriminator="type")]]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_sequence: str | None
+    usage: Usage
+
+
+class TokenCount(BaseModel):
+    input_tokens: int
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def stop_reason(finish: str | None, stop_sequence: str | None) -> str:
+    if finish == "tool_calls":
+        return "tool_use"
+    if finish == "length":
+        return "max_tokens"
+    return "stop_sequence" if stop_sequence is not None else "end_turn"
+
+
+def tool_input(call: ToolCall) -> dict:
+    arguments = json_or_text(call.arguments)
+    return arguments if isinstance(arguments, dict) else {}
+
+
+# -- the door --------------------------------------------------------------------------------
+
+
+class AnthropicMessages:
+    def __init__(self, server: Server):
+        self.server = server
+
+    def chat(self, req: CountTokensRequest) -> tuple[list[dict], list[dict] | None]:
+        """The request as the chat template takes it: (messages, tools or None)."""
+        messages: list[dict] = []
+        system = req.system if isinstance(req.system, str) or req.system is None else "\n\n".join(
+            b.text for b in req.system)
+        if system:
+            messages.append({"role": "system", "content": system})
+        known_ids: set[str] = set()
+        for i, m in enumerate(req.messages):
+            if isinstance(m.content, str):
+                messages.append({"role": m.role, "content": m.content})
+                continue
+            texts, calls = [], []
+            for j, block in enumerate(m.content):
+                where = f"messages.{i}.content.{j}"
+                if block.type == "text":
+                    texts.append(block.text)
+                elif block.type in ("image", "document"):
+                    raise self.unseen(block.type, where)
+                elif block.type == "tool_use":
+                    if m.role != "assistant":
+                        raise APIError(400, f"{where}: tool_use blocks belong to assistant turns", param=where)
+                    known_ids.add(block.id)
+                    calls.append({"id": block.id, "type": "function",
+                                  "function": {"name": block.name, "arguments": block.input}})
+                elif block.type == "tool_result":
+                    if m.role != "user":
+                        raise APIError(400, f"{where}: tool_result blocks belong to user turns", param=where)
+                    if block.tool_use_id not in known_ids:
+                        raise APIError(400, f"{where}: tool_result for tool_use_id '{block.tool_use_id}', which no "
+                                            "earlier assistant turn's tool_use block has", param=where)
+                    messages.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                                     "content": self.result_text(block, where)})
+                # thinking blocks of earlier turns are left out, as thinking templates do
+            if m.role == "assistant":
+                messages.append({"role": "assistant", "content": "".join(texts)} | ({"tool_calls": calls} if calls else {}))
+            elif texts or not any(b.type == "tool_result" for b in m.content):
+                messages.append({"role": "user", "content": "".join(texts)})
+        use_tools = req.tools and not (req.tool_choice and req.tool_choice.type == "none")
+        tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                                   "parameters": t.input_schema}} for t in req.tools] if use_tools else None
+        return messages, tools
+
+    def unseen(self, kind: str, where: str) -> APIError:
+        return APIError(400, f"{where}: {kind} blocks are not supported: the model '{self.server.model_id}' reads "
+                             "text only; send the content as text", param=where)
+
+    def result_text(self, block: ToolResultBlock, where: str) -> str:
+        if block.content is None or isinstance(block.content, str):
+            return block.content or ""
+        for k, part in enumerate(block.content):
+            if part.type != "text":
+                raise self.unseen(part.type, f"{where}.content.{k}")
+        return "".join(part.text for part in block.content)
+
+    async def count_tokens(self, req: CountTokensRequest) -> TokenCount:
+        self.server.check_model(req.model)
+        messages, tools = self.chat(req)
+        return TokenCount(input_tokens=len(await self.server.chat_prompt(messages, tools)))
+
+    async def create(self, req: MessagesRequest, request: Request):
+        server = self.server
+        server.check_model(req.model)
+        messages, tools = self.chat(req)
+        grammar = None
+        choice = req.tool_choice
+        if choice is not None and choice.type == "tool" and not choice.name:
+            raise APIError(400, "tool_choice of type 'tool' needs the tool's name", param="tool_choice.name")
+        if tools and choice is not None and choice.type in ("any", "tool"):
+            grammar = server.tool_grammar(tools, choice.name if choice.type == "tool" else None, "tool_choice.name")
+        elif req.output_config is not None and req.output_config.format is not None:
+            grammar = server.json_grammar(req.output_config.format.schema_, "output_config.format.schema")
+        prompt_ids = await server.chat_prompt(messages, tools)
+        max_tokens = server.max_tokens_for(len(prompt_ids), req.max_tokens, "max_tokens")
+        params = server.sampling_params(
+            max_tokens=max_tokens, stop=tuple(req.stop_sequences or ()), grammar=grammar,
+            temperature=1.0 if req.temperature is None else req.temperature,  # Anthropic's default
+            top_p=req.top_p, top_k=req.top_k)
+        server.check_capacity(1)
+        mid = new_id("msg")
+        if req.stream:
+            return StreamingResponse(self.stream(mid, prompt_ids, params, tools), media_type="text/event-stream")
+        [c] = await server.collect(request, prompt_ids, params)
+        content, calls, finish = server.split_tool_calls(c.text, tools, c.finish_reason, lambda: new_id("toolu"))
+        blocks: list = [TextOut(text=content)] if content else []
+        blocks += [ToolUseOut(id=call.id, name=call.name, input=tool_input(call)) for call in calls]
+        return MessageOut(id=mid, model=server.model_id, content=blocks,
+                          stop_reason=stop_reason(finish, c.stop_sequence), stop_sequence=c.stop_sequence,
+                          usage=self.usage(len(prompt_ids), c)).model_dump()
+
+    def usage(self, num_prompt: int, c: Choice) -> Usage:
+        return Usage(input_tokens=num_prompt - c.num_cached_tokens, output_tokens=len(c.token_ids),
+                     cache_read_input_tokens=c.num_cached_tokens)
+
+    async def stream(self, mid: str, prompt_ids: list[int], params, tools: list[dict] | None) -> AsyncIterator[str]:
+        """Anthropic's event sequence: message_start, ping, per block content_block_start /
+        _delta / _stop, message_delta (stop reason, usage), message_stop. Text streams as it
+        comes; with tools the answer is held to its end, where its tool calls are known."""
+        server = self.server
+
+        def event(kind: str, **data) -> str:
+            return sse({"type": kind} | data, event=kind)
+
+        start = MessageOut(id=mid, model=server.model_id, content=[], stop_reason=None, stop_sequence=None,
+                           usage=Usage(input_tokens=len(prompt_ids), output_tokens=0))
+        yield event("message_start", message=start.model_dump())
+        yield event("ping")
+        c = Choice(0)
+        num_blocks = 0
+        text_open = False
+        try:
+            async for _, out in server.run_choices(prompt_ids, params):
+                server.add(c, out)
+                if tools or not out.text:
+                    continue
+                if not text_open:
+                    yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+                    text_open, num_blocks = True, 1
+                yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": out.text})
+        except LocalLLMError as e:
+            _, body = error_body("/v1/messages", 500, str(e), "server_error")
+            yield sse(body, event="error")
+            return
+        if text_open:
+            yield event("content_block_stop", index=0)
+        content, calls, finish = server.split_tool_calls(c.text, tools, c.finish_reason, lambda: new_id("toolu"))
+        if tools and content:
+            yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+            yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": content})
+            yield event("content_block_stop", index=0)
+            num_blocks = 1
+        for call in calls:
+            yield event("content_block_start", index=num_blocks,
+                        content_block={"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+            yield event("content_block_delta", index=num_blocks,
+                        delta={"type": "input_json_delta", "partial_json": json.dumps(tool_input(call))})
+            yield event("content_block_stop", index=num_blocks)
+            num_blocks += 1
+        yield event("message_delta", delta={"stop_reason": stop_reason(finish, c.stop_sequence),
+                                            "stop_sequence": c.stop_sequence},
+                    usage=self.usage(len(prompt_ids), c).model_dump())
+        yield event("message_stop")
+
+
+def add_routes(app: FastAPI, server: Server) -> None:
+    door = AnthropicMessages(server)
+
+    @app.post("/v1/messages", response_model=None,
+              responses={200: {"model": MessageOut, "content": {"text/event-stream": {}}}})
+    async def messages(body: MessagesRequest, request: Request):
+        return await door.create(body, request)
+
+    @app.post("/v1/messages/count_tokens", response_model=TokenCount)
+    async def count_tokens(body: CountTokensRequest):
+        return await door.count_tokens(body)

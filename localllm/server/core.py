@@ -1,0 +1,264 @@
+"""The one request path under every protocol of `localllm serve`: admission (the model's name,
+the context, the queue), the chat prompt (template, tools), grammars, sampling parameters,
+generation with cancellation when the client leaves, tool-call parsing and usage. A protocol
+module (openai_chat, anthropic_messages) only turns its own request shape into these calls and
+their results into its own response shape and event stream.
+
+Every request is its own stream in the engine, so clients share each engine step and none
+waits for another to finish. A client that goes away has its request aborted (its blocks
+come back at the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import Request
+
+from localllm.chat_template import TemplateLimitError
+from localllm.config import ServerConfig
+from localllm.engine.engine import AsyncEngine, RequestOutput
+from localllm.engine.request import SamplingParams
+from localllm.errors import TemplateError, UsageError
+from localllm.server.errors import APIError
+from localllm.server.metrics import ServerMetrics
+
+# Sampling values a door may pass through, by SamplingParams' names.
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty")
+
+
+def sse(obj, event: str | None = None) -> str:
+    """One server-sent event; ``event`` names it (Anthropic's streams name every event)."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {event}\ndata: {data}\n\n" if event else f"data: {data}\n\n"
+
+
+def json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+@dataclass
+class Choice:
+    """One generation stream of a request, as it accumulates."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_sequence: str | None = None
+    metrics: object = None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.metrics.num_cached_tokens if self.metrics else 0
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call parsed from an answer: its id, the function's name, the arguments as JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+class Server:
+    def __init__(self, engine: AsyncEngine, model_path: Path, config: ServerConfig, n_ctx_train: int | None = None):
+        self.engine = engine
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.n_ctx_train = n_ctx_train
+        self.max_num_seqs = engine.engine.config.scheduler.max_num_seqs
+        self.config = config
+        self.model_id = Path(model_path).stem
+        self.model_names = {self.model_id, Path(model_path).name}
+        self.metrics = ServerMetrics()
+        self.num_in_flight = 0
+
+    # -- admission ------------------------------------------------------------------------
+
+    def check_model(self, name: str) -> None:
+        if name not in self.model_names:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}' "
+                                f"(see GET /v1/models)", param="model", code="model_not_found")
+
+    def check_capacity(self, n: int) -> None:
+        if self.num_in_flight + n > self.max_num_seqs + self.config.max_queue:
+            raise APIError(503, f"the server is busy: {self.num_in_flight} requests in flight; retry shortly",
+                           type_="server_error", code="server_busy", headers={"Retry-After": "1"})
+
+    def max_tokens_for(self, num_prompt: int, asked: int | None, param: str) -> int:
+        room = self.max_model_len - num_prompt
+        if asked is None:
+            if room < 1:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                    f"prompt is {num_prompt} tokens, which leaves no room for a completion. Please reduce "
+                    "the length of the prompt.", param="messages", code="context_length_exceeded")
+            asked = room
+        if num_prompt + asked > self.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {num_prompt + asked} tokens ({num_prompt} in the prompt, {asked} for the "
+                f"completion). Please reduce the length of the prompt or the completion.",
+                param=param, code="context_length_exceeded")
+        return asked
+
+    def sampling_params(self, *, n: int = 1, seed: int | None = None, **kwargs) -> list[SamplingParams]:
+        """One SamplingParams per choice; with a seed, choice i uses seed + i so the n differ.
+        ``kwargs`` are SamplingParams' own; a sampling value of None keeps the engine's default."""
+        kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in SAMPLING_KEYS}
+        try:
+            return [SamplingParams(seed=None if seed is None else seed + i, **kwargs) for i in range(n)]
+        except UsageError as e:
+            raise APIError(400, str(e)) from None
+
+    # -- prompts and grammars -------------------------------------------------------------
+
+    async def chat_prompt(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        """The chat through the model's template, tokenized so no message forges a control token."""
+        try:
+            return await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, True, tools)
+        except TemplateLimitError as e:  # the model's template is broken or hostile: not the request's fault
+            raise APIError(500, str(e), type_="server_error", code="chat_template_error") from None
+        except (TemplateError, UsageError) as e:
+            raise APIError(400, str(e), param="messages") from None
+
+    def tool_grammar(self, tools: list[dict], name: str | None, param: str = "tool_choice") -> str:
+        """The grammar of an answer that must call a tool (``name``, or any of ``tools``)."""
+        from localllm.runners.llamacpp import json_schema_to_grammar
+        from localllm.tools import tool_call_grammar
+
+        if name is not None and name not in {t["function"]["name"] for t in tools}:
+            raise APIError(400, f"tool_choice names '{name}', which is not among the tools", param=param)
+        try:
+            return tool_call_grammar(tools, json_schema_to_grammar, name)
+        except UsageError as e:
+            raise APIError(400, str(e), param="tools") from None
+
+    def json_grammar(self, schema: dict | None, param: str) -> str:
+        """The grammar of a JSON answer: any object (``schema`` None), or one that ``schema`` allows."""
+        from localllm.runners.llamacpp import JSON_OBJECT_GRAMMAR, json_schema_to_grammar
+
+        if schema is None:
+            return JSON_OBJECT_GRAMMAR
+        try:
+            return json_schema_to_grammar(schema)
+        except UsageError as e:
+            raise APIError(400, str(e), param=param) from None
+
+    def split_tool_calls(self, text: str, tools: list[dict] | None, finish: str | None,
+                         new_id: Callable[[], str]) -> tuple[str | None, list[ToolCall], str | None]:
+        """(content, tool calls, finish reason) of a finished answer; the reason is "tool_calls"
+        when it called one, and each call's id is new_id()."""
+        if not tools:
+            return text, [], finish
+        from localllm.tools import parse_bare_call, parse_tool_calls
+
+        content, calls = parse_tool_calls(text)
+        if not calls:
+            bare = parse_bare_call(text, {t["function"]["name"] for t in tools})
+            if bare is None:
+                return text, [], finish
+            content, calls = "", [bare]
+        return content or None, [ToolCall(new_id(), c["name"], c["arguments"]) for c in calls], "tool_calls"
+
+    # -- generation -----------------------------------------------------------------------
+
+    async def run_choices(self, prompt_ids: list[int], params: list[SamplingParams]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Stream (choice index, output) for n choices of one prompt. The first choice runs
+        alone until its prompt is computed, so the others find its KV blocks and share them.
+        Leaving the stream early aborts every choice."""
+        queue: asyncio.Queue = asyncio.Queue()
+        prefilled = asyncio.Event()
+        done = object()
+
+        async def run(index: int) -> None:
+            try:
+                if index > 0:
+                    await prefilled.wait()
+                async for out in self.engine.generate(prompt_ids, params[index]):
+                    prefilled.set()
+                    await queue.put((index, out))
+            except BaseException as e:  # delivered to the consumer, which re-raises it
+                prefilled.set()
+                await queue.put((index, e))
+            finally:
+                await queue.put((index, done))
+
+        self.num_in_flight += len(params)
+        tasks = [asyncio.create_task(run(i)) for i in range(len(params))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            self.num_in_flight -= len(params)
+            for t in tasks:
+                t.cancel()  # a client that left: each stream's exit aborts its request
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(self, request: Request, prompt_ids: list[int], params: list[SamplingParams]) -> list[Choice]:
+        """Every choice whole (a response that is not streamed); the client leaving aborts them."""
+        choices = [Choice(i) for i in range(len(params))]
+
+        async def consume() -> None:
+            async for i, out in self.run_choices(prompt_ids, params):
+                self.add(choices[i], out)
+
+        async def client_left() -> None:
+            # A blocking receive, not request.is_disconnected(): behind a BaseHTTPMiddleware
+            # layer (the key check was one) its zero-timeout poll never saw the disconnect, and
+            # a dropped request ran on to max_tokens; a receive sees it whatever wraps the app.
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        task = asyncio.create_task(consume())
+        listener = asyncio.create_task(client_left())
+        try:
+            await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done() and listener.exception() is None:
+                task.cancel()  # the client left: the streams' exits abort the requests
+            elif not task.done():  # the listener failed, which says nothing of the client
+                await asyncio.wait({task})
+        finally:
+            listener.cancel()
+            if not task.done():  # this handler itself was cancelled: the generation goes too
+                task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                raise
+        return choices
+
+    def add(self, choice: Choice, out: RequestOutput) -> None:
+        choice.text += out.text
+        choice.token_ids += out.token_ids
+        if out.logprobs:
+            choice.logprobs += out.logprobs
+        if out.top_logprobs:
+            choice.top_logprobs += out.top_logprobs
+        if out.finished:
+            choice.finish_reason = out.finish_reason
+            choice.stop_sequence = out.stop_sequence
+            choice.metrics = out.metrics
+            self.metrics.observe(out.metrics)

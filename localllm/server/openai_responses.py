@@ -1,0 +1,397 @@
+"""OpenAI's Responses API (`/v1/responses`), as Codex and the `openai-agents` SDK speak it, over
+the shared request path (core.Server): its request and response shapes, its event stream, and
+the kept responses that `previous_response_id` continues (response_store.py). Errors have
+OpenAI's shape.
+
+Input is a string or a list of items: messages (input_text / output_text parts), function_call
+and function_call_output items; reasoning items are accepted and left out of the prompt. Only
+function tools exist here; other tool types, images and files are a 400 naming what to send.
+A response is kept (`store`, true by default as OpenAI has it) with the conversation it ended;
+`instructions` are not carried over to the next response, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+from localllm.errors import LocalLLMError
+from localllm.server.core import Choice, Server, ToolCall, json_or_text, sse
+from localllm.server.errors import APIError
+from localllm.server.protocol import Int
+from localllm.server.response_store import ResponseStore
+
+# -- requests --------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Part(BaseModel):
+    """An item or a part: its type checked, its known fields typed, later fields ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class TextPart(_Part):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class RefusalPart(_Part):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class MediaPart(_Part):
+    type: Literal["input_image", "input_file", "input_audio"]
+
+
+Part = Annotated[TextPart | RefusalPart | MediaPart, Field(discriminator="type")]
+
+
+class MessageItem(_Part):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[Part]
+
+
+class FunctionCallItem(_Part):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(_Part):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[Part]
+
+
+class ReasoningItem(_Part):
+    type: Literal["reasoning"]
+
+
+def _item_type(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("type", "message")  # a message may leave its type out
+    return getattr(value, "type", None)
+
+
+Item = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                 | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+                 | Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_type)]
+
+
+class FunctionTool(_Part):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(_Request):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Request):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponsesRequest(_Request):
+    """What the openai SDK's responses.create sends that means something here; the hosted
+    service's own fields (include, truncation, service_tier, prompt_cache_key, ...) are accepted
+    and ignored."""
+
+    model: str
+    input: str | list[Item]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: Int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    text: TextConfig | None = None
+    stream: bool = False
+    previous_response_id: str | None = None
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    reasoning: dict[str, Any] | None = None
+    user: str | None = None
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    stream_options: dict[str, Any] | None = None
+
+
+# -- the door --------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def part_text(content: str | list, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    for k, part in enumerate(content):
+        if part.type in ("input_image", "input_file", "input_audio"):
+            raise APIError(400, f"{part.type} parts are not supported: this model reads text only; send the "
+                                "content as input_text", param=f"{where}.content.{k}")
+    return "".join(p.text if p.type != "refusal" else p.refusal for p in content)
+
+
+def output_items(content: str | None, calls: list[ToolCall], status: str) -> list[dict]:
+    items: list[dict] = []
+    if content:
+        items.append({"type": "message", "id": new_id("msg"), "status": status, "role": "assistant",
+                      "content": [{"type": "output_text", "text": content, "annotations": [], "logprobs": []}]})
+    items += [{"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": call.name,
+               "arguments": call.arguments, "status": "completed"} for call in calls]
+    return items
+
+
+class OpenAIResponses:
+    def __init__(self, server: Server, store: ResponseStore):
+        self.server, self.store = server, store
+
+    async def conversation(self, req: ResponsesRequest) -> list[dict]:
+        """The chat so far (a previous response's, then this input), without the instructions."""
+        messages: list[dict] = []
+        if req.previous_response_id is not None:
+            stored = await asyncio.to_thread(self.store.get, req.previous_response_id)
+            if stored is None:
+                raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found: it was "
+                                    "never stored (store=false), was deleted, or is older than the newest "
+                               f"{self.store.max_responses} kept", param="previous_response_id",
+                               code="previous_response_not_found")
+            messages = list(stored.conversation)
+        items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+        known_ids = {c["id"] for m in messages for c in m.get("tool_calls", ())}
+        for i, item in enumerate(items):
+            where = f"input.{i}"
+            if item.type == "message":
+                role = "system" if item.role == "developer" else item.role
+                messages.append({"role": role, "content": part_text(item.content, where)})
+            elif item.type == "function_call":
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": json_or_text(item.arguments)}}
+                known_ids.add(item.call_id)
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant":
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            elif item.type == "function_call_output":
+                if item.call_id not in known_ids:
+                    raise APIError(400, f"{where}: function_call_output for call_id '{item.call_id}', which no "
+                                        "function_call before it has", param=where)
+                messages.append({"role": "tool", "tool_call_id": item.call_id,
+                                 "content": part_text(item.output, where)})
+            # reasoning items: their text is not part of the prompt
+        return messages
+
+    def grammar(self, req: ResponsesRequest, tools: list[dict] | None) -> str | None:
+        choice = req.tool_choice
+        if tools and (choice == "required" or isinstance(choice, NamedFunction)):
+            return self.server.tool_grammar(tools, choice.name if isinstance(choice, NamedFunction) else None)
+        fmt = req.text.format if req.text else None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_schema" and fmt.schema_ is None:
+            raise APIError(400, "text.format of type json_schema needs its schema", param="text.format.schema")
+        return self.server.json_grammar(fmt.schema_ if fmt.type == "json_schema" else None, "text.format.schema")
+
+    async def create(self, req: ResponsesRequest, request: Request):
+        server = self.server
+        server.check_model(req.model)
+        conversation = await self.conversation(req)
+        tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                                   "parameters": t.parameters or {"type": "object", "properties": {}}}}
+                 for t in req.tools] if req.tools and req.tool_choice != "none" else None
+        grammar = self.grammar(req, tools)
+        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        prompt_ids = await server.chat_prompt(system + conversation, tools)
+        max_tokens = server.max_tokens_for(len(prompt_ids), req.max_output_tokens, "max_output_tokens")
+        params = server.sampling_params(max_tokens=max_tokens, grammar=grammar, top_p=req.top_p,
+                                        temperature=1.0 if req.temperature is None else req.temperature)
+        server.check_capacity(1)
+        base = self.response(new_id("resp"), req, "in_progress", [], None)
+        if req.stream:
+            return StreamingResponse(self.stream(base, req, conversation, prompt_ids, params, tools),
+                                     media_type="text/event-stream")
+        [c] = await server.collect(request, prompt_ids, params)
+        return await self.finish(base, req, conversation, prompt_ids, c, tools)
+
+    def response(self, rid: str, req: ResponsesRequest, status: str, output: list[dict], usage: dict | None) -> dict:
+        fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else {"type": "text"}
+        choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunction) else (req.tool_choice or "auto")
+        return {"id": rid, "object": "response", "created_at": int(time.time()), "status": status,
+                "model": self.server.model_id, "output": output, "usage": usage, "error": None,
+                "incomplete_details": None, "instructions": req.instructions,
+                "max_output_tokens": req.max_output_tokens, "previous_response_id": req.previous_response_id,
+                "temperature": 1.0 if req.temperature is None else req.temperature, "top_p": req.top_p,
+                "parallel_tool_calls": req.parallel_tool_calls is not False, "tool_choice": choice,
+                "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()], "text": {"format": fmt},
+                "store": req.store, "metadata": req.metadata or {}, "reasoning": req.reasoning,
+                "truncation": req.truncation or "disabled", "user": req.user}
+
+    async def finish(self, base: dict, req: ResponsesRequest, conversation: list[dict], prompt_ids: list[int],
+                     c: Choice, tools: list[dict] | None) -> dict:
+        """The finished response (stored when asked) from the answer ``c``."""
+        content, calls, finish = self.server.split_tool_calls(c.text, tools, c.finish_reason, lambda: new_id("call"))
+        incomplete = finish == "length"
+        status = "incomplete" if incomplete else "completed"
+        output = output_items(content, calls, status)
+        usage = {"input_tokens": len(prompt_ids), "input_tokens_details": {"cached_tokens": c.num_cached_tokens},
+                 "output_tokens": len(c.token_ids), "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": len(prompt_ids) + len(c.token_ids)}
+        response = base | {"status": status, "output": output, "usage": usage,
+                           "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None}
+        if req.store:
+            answer = {"role": "assistant", "content": content or ""}
+            if calls:
+                answer["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                    "name": call.name, "arguments": json_or_text(call.arguments)}} for call in calls]
+            await asyncio.to_thread(self.store.put, response["id"], response, conversation + [answer])
+        return response
+
+    async def stream(self, base: dict, req: ResponsesRequest, conversation: list[dict], prompt_ids: list[int],
+                     params, tools: list[dict] | None) -> AsyncIterator[str]:
+        """The Responses event sequence: response.created, response.in_progress, then per output
+        item output_item.added, (content_part.added, output_text.delta..., output_text.done,
+        content_part.done | function_call_arguments.delta, .done), output_item.done, and
+        response.completed (or response.incomplete). Text streams as it comes; with tools the
+        answer is held to its end, where its calls are known."""
+        server = self.server
+        sequence = 0
+
+        def event(kind: str, **data) -> str:
+            nonlocal sequence
+            sequence += 1
+            return sse({"type": kind, "sequence_number": sequence - 1} | data, event=kind)
+
+        yield event("response.created", response=base)
+        yield event("response.in_progress", response=base)
+        c = Choice(0)
+        message_id = new_id("msg")
+        opened = False
+
+        def open_message() -> list[str]:
+            item = {"type": "message", "id": message_id, "status": "in_progress", "role": "assistant", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            return [event("response.output_item.added", output_index=0, item=item),
+                    event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
+                          part=part)]
+
+        try:
+            async for _, out in server.run_choices(prompt_ids, params):
+                server.add(c, out)
+                if tools or not out.text:
+                    continue
+                if not opened:
+                    for e in open_message():
+                        yield e
+                    opened = True
+                yield event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
+                            delta=out.text, logprobs=[])
+        except LocalLLMError as e:
+            failed = base | {"status": "failed", "error": {"code": "server_error", "message": str(e)}}
+            yield event("response.failed", response=failed)
+            return
+        response = await self.finish(base, req, conversation, prompt_ids, c, tools)
+        for index, item in enumerate(response["output"]):
+            if item["type"] == "message":
+                item["id"] = message_id  # the id its deltas named
+                text = item["content"][0]["text"]
+                if not opened:
+                    for e in open_message():
+                        yield e
+                    yield event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
+                                delta=text, logprobs=[])
+                yield event("response.output_text.done", item_id=message_id, output_index=index, content_index=0,
+                            text=text, logprobs=[])
+                yield event("response.content_part.done", item_id=message_id, output_index=index, content_index=0,
+                            part=item["content"][0])
+            else:
+                added = item | {"arguments": "", "status": "in_progress"}
+                yield event("response.output_item.added", output_index=index, item=added)
+                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                            delta=item["arguments"])
+                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            name=item["name"], arguments=item["arguments"])
+            yield event("response.output_item.done", output_index=index, item=item)
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        yield event(kind, response=response)
+
+    async def retrieve(self, response_id: str) -> dict:
+        stored = await asyncio.to_thread(self.store.get, response_id)
+        if stored is None:
+            raise APIError(404, f"No response with id '{response_id}' is kept here", param="response_id",
+                           code="not_found")
+        return stored.response
+
+    async def delete(self, response_id: str) -> dict:
+        if not await asyncio.to_thread(self.store.delete, response_id):
+            raise APIError(404, f"No response with id '{response_id}' is kept here", param="response_id",
+                           code="not_found")
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+class ResponseObject(BaseModel):
+    """The response object (its main fields; every one is sent)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: bool
+
+
+def add_routes(app: FastAPI, server: Server, store: ResponseStore) -> None:
+    door = OpenAIResponses(server, store)
+
+    @app.post("/v1/responses", response_model=None,
+              responses={200: {"model": ResponseObject, "content": {"text/event-stream": {}}}})
+    async def create(body: ResponsesRequest, request: Request):
+        return await door.create(body, request)
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject)
+    async def retrieve(response_id: str):
+        return await door.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse)
+    async def delete(response_id: str):
+        return await door.delete(response_id)
