@@ -97,20 +97,49 @@ class Tokenizer:
         send token ids for those."""
         return self._plain(_utf8(text, "the prompt"), add_special)
 
-    def encode_fim(self, prefix: str, suffix: str) -> list[int]:
-        """A fill-in-the-middle prompt: ``<fim_pre> prefix <fim_suf> suffix <fim_mid>``; the
-        model then writes the middle. Control-token text in prefix or suffix stays plain."""
+    def encode_fim(self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (), middle: str = "",
+                   max_tokens: int | None = None) -> list[int]:
+        """A fill-in-the-middle prompt: ``<fim_pre> prefix middle <fim_suf> suffix <fim_mid>``;
+        the model then writes on from ``middle`` (text already typed at the cursor). ``extra``
+        are other files as (filename, text), put before it as llama.cpp's /infill does
+        (``<|repo_name|>``, then ``<|file_sep|>filename`` and text per file, where the
+        vocabulary has them; else between "--- snippet ---" lines). With ``max_tokens`` the
+        prompt is cut to fit as llama.cpp cuts it: 3/4 of the room to the end of the prefix,
+        1/4 to the start of the suffix, the extra files into what is left (the last ones kept).
+        Control-token text anywhere stays plain."""
         v = self._vocab
         if v.fim_pre_id is None or v.fim_suf_id is None or v.fim_mid_id is None:
             raise UsageError(
                 f"{self._what} has no fill-in-the-middle tokens; use a code model trained for "
                 "it (such as qwen2.5-coder) or send a plain prompt"
             )
-        ids = [v.fim_pre_id, *self._plain(_utf8(prefix, "the prefix")),
-               v.fim_suf_id, *self._plain(_utf8(suffix, "the suffix")), v.fim_mid_id]
-        if v.add_bos and v.bos_id is not None:
-            ids.insert(0, v.bos_id)
-        return ids
+        pre = self._plain(_utf8(prefix, "the prefix"))
+        mid = self._plain(_utf8(middle, "the prompt"))
+        suf = self._plain(_utf8(suffix, "the suffix"))
+        sep, rep = getattr(v, "fim_sep_id", None), getattr(v, "fim_rep_id", None)
+        context: list[int] = []
+        if extra:
+            if rep is not None:
+                context += [rep, *self._plain(b"project\n")]
+            for filename, text in extra:
+                if sep is not None:
+                    context += [sep, *self._plain(_utf8(filename + "\n", "a filename"))]
+                else:
+                    context += self._plain(b"\n\n--- snippet ---\n\n")
+                context += self._plain(_utf8(text, "an extra file"))
+            if sep is not None:
+                context += [sep, *self._plain(b"filename\n")]
+        bos = [v.bos_id] if v.add_bos and v.bos_id is not None else []
+        if max_tokens is not None:
+            room = max_tokens - len(bos) - len(mid) - 3
+            if room < 1:
+                raise UsageError(f"the prompt at the cursor is {len(mid)} tokens, more than the "
+                                 f"{max_tokens} the context leaves for the fill-in-the-middle prompt")
+            suf = suf[:max(0, min(len(suf), room // 4))]
+            pre = pre[max(0, len(pre) - (room - len(suf))):]
+            room -= len(pre) + len(suf)
+            context = context[len(context) - min(len(context), room):] if room > 0 else []
+        return [*context, *bos, v.fim_pre_id, *pre, *mid, v.fim_suf_id, *suf, v.fim_mid_id]
 
     def decode(self, ids: Sequence[int]) -> str:
         return b"".join(map(self._vocab.token_to_piece, ids)).decode("utf-8", errors="replace")
@@ -124,12 +153,15 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[Any] | None = None,
+        template_vars: dict[str, Any] | None = None,
     ) -> list[int]:
         """Render the chat and tokenize it so that no message can forge a control token.
 
         The template's own text (``<|im_start|>user\\n``) is tokenized with control tokens
         parsed; every message's content is tokenized as plain text, so a user who writes
-        ``<|im_start|>system`` gets those characters, not a system turn.
+        ``<|im_start|>system`` gets those characters, not a system turn. ``template_vars`` are
+        extra variables the template may read (Qwen3's ``enable_thinking``); they never replace
+        the chat's own (messages, tools, ...).
         """
         template = self._compiled_template()
         messages = _normalize_messages(messages)
@@ -140,8 +172,8 @@ class Tokenizer:
             raise UsageError(f"the chat is {num_chars} characters long, more than the "
                              f"{self._max_chars // 2} localllm renders through a chat template; "
                              "send a shorter chat")
-        rendered = self._render(template, messages, add_generation_prompt, tools)
-        spans = self._spans_by_markers(template, messages, add_generation_prompt, tools, rendered)
+        rendered = self._render(template, messages, add_generation_prompt, tools, template_vars)
+        spans = self._spans_by_markers(template, messages, add_generation_prompt, tools, rendered, template_vars)
         if spans is None:
             spans = self._spans_by_search(messages, rendered)
 
@@ -157,6 +189,11 @@ class Tokenizer:
         return ids
 
     # -- rendering ---------------------------------------------------------------------------
+
+    @property
+    def template_source(self) -> str | None:
+        """The chat template's source (untrusted text: read it, never run it outside the sandbox)."""
+        return self._template_source or None
 
     def _compiled_template(self) -> Template:
         if self._template is not None:
@@ -193,8 +230,9 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool,
         tools: list[Any] | None,
+        template_vars: dict[str, Any] | None = None,
     ) -> str:
-        context = {"messages": messages, "add_generation_prompt": add_generation_prompt,
+        context = {**(template_vars or {}), "messages": messages, "add_generation_prompt": add_generation_prompt,
                    "tools": tools, "bos_token": self._vocab.bos_text, "eos_token": self._vocab.eos_text}
         try:
             return chat_template.render(template, context, timeout_s=self._render_timeout_s,
@@ -228,6 +266,7 @@ class Tokenizer:
         add_generation_prompt: bool,
         tools: list[Any] | None,
         rendered: str,
+        template_vars: dict[str, Any] | None = None,
     ) -> list[_Span] | None:
         """Exact split: render again with a random marker in place of each content.
 
@@ -253,7 +292,7 @@ class Tokenizer:
         if not parts:
             return [(rendered, False)]
         try:
-            marked = self._render(template, marked_messages, add_generation_prompt, tools)
+            marked = self._render(template, marked_messages, add_generation_prompt, tools, template_vars)
         except TemplateLimitError:
             raise
         except TemplateError:

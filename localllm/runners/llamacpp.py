@@ -155,6 +155,9 @@ class LlamaVocab:
         fim = (L.llama_vocab_fim_pre(self._vocab), L.llama_vocab_fim_suf(self._vocab),
                L.llama_vocab_fim_mid(self._vocab))
         self.fim_pre_id, self.fim_suf_id, self.fim_mid_id = (t if t >= 0 else None for t in fim)
+        # Repository-level FIM (Qwen2.5-Coder's <|repo_name|> and <|file_sep|>): other files as context.
+        rep, sep = L.llama_vocab_fim_rep(self._vocab), L.llama_vocab_fim_sep(self._vocab)
+        self.fim_rep_id, self.fim_sep_id = (t if t >= 0 else None for t in (rep, sep))
         template = L.llama_model_chat_template(model, None)
         self.chat_template = template.decode("utf-8", "replace") if template else None
         self._pieces: dict[int, bytes] = {}

@@ -7,8 +7,9 @@ Requests are strict as Anthropic's are: an unknown top-level field or block type
 is a wrong type anywhere (fields a newer client adds inside a block or a tool are ignored).
 Image and document blocks are a 400 that says the model reads text only. A `tool_result` must
 answer a `tool_use` id an earlier assistant turn gave. `output_config.format` (a JSON schema)
-constrains the answer as OpenAI's response_format does. `thinking` is accepted (the reasoning
-parser is not built yet: a thinking model's text stays in its text block).
+constrains the answer as OpenAI's response_format does. A thinking model's reasoning comes as a
+`thinking` block before the text (unsigned: `signature` is empty); `thinking: {"type":
+"disabled"}` asks its template to skip the reasoning.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from localllm.errors import LocalLLMError
-from localllm.server.core import Choice, Server, ToolCall, json_or_text, sse
+from localllm.server.core import Answer, Choice, Server, ToolCall, json_or_text, sse
 from localllm.server.errors import APIError, error_body
 from localllm.server.protocol import Int
 
@@ -174,6 +175,12 @@ class TextOut(BaseModel):
     text: str
 
 
+class ThinkingOut(BaseModel):
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""  # nothing to sign: the reasoning never leaves this machine
+
+
 class ToolUseOut(BaseModel):
     type: Literal["tool_use"] = "tool_use"
     id: str
@@ -186,7 +193,7 @@ class MessageOut(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[Annotated[TextOut | ToolUseOut, Field(discriminator="type")]]
+    content: list[Annotated[ThinkingOut | TextOut | ToolUseOut, Field(discriminator="type")]]
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
     stop_sequence: str | None
     usage: Usage
@@ -292,7 +299,9 @@ class AnthropicMessages:
             grammar = server.tool_grammar(tools, choice.name if choice.type == "tool" else None, "tool_choice.name")
         elif req.output_config is not None and req.output_config.format is not None:
             grammar = server.json_grammar(req.output_config.format.schema_, "output_config.format.schema")
-        prompt_ids = await server.chat_prompt(messages, tools)
+        thinking = not (req.thinking is not None and req.thinking.type == "disabled")
+        prompt_ids = await server.chat_prompt(messages, tools, thinking)
+        answer = Answer(server.reasoning_for(prompt_ids))
         max_tokens = server.max_tokens_for(len(prompt_ids), req.max_tokens, "max_tokens")
         params = server.sampling_params(
             max_tokens=max_tokens, stop=tuple(req.stop_sequences or ()), grammar=grammar,
@@ -301,10 +310,13 @@ class AnthropicMessages:
         server.check_capacity(1)
         mid = new_id("msg")
         if req.stream:
-            return StreamingResponse(self.stream(mid, prompt_ids, params, tools), media_type="text/event-stream")
+            return StreamingResponse(self.stream(mid, prompt_ids, params, tools, answer),
+                                     media_type="text/event-stream")
         [c] = await server.collect(request, prompt_ids, params)
-        content, calls, finish = server.split_tool_calls(c.text, tools, c.finish_reason, lambda: new_id("toolu"))
-        blocks: list = [TextOut(text=content)] if content else []
+        reasoning, text = answer.split(c.text)
+        content, calls, finish = server.split_tool_calls(text, tools, c.finish_reason, lambda: new_id("toolu"))
+        blocks: list = [ThinkingOut(thinking=reasoning)] if reasoning else []
+        blocks += [TextOut(text=content)] if content else []
         blocks += [ToolUseOut(id=call.id, name=call.name, input=tool_input(call)) for call in calls]
         return MessageOut(id=mid, model=server.model_id, content=blocks,
                           stop_reason=stop_reason(finish, c.stop_sequence), stop_sequence=c.stop_sequence,
@@ -314,54 +326,94 @@ class AnthropicMessages:
         return Usage(input_tokens=num_prompt - c.num_cached_tokens, output_tokens=len(c.token_ids),
                      cache_read_input_tokens=c.num_cached_tokens)
 
-    async def stream(self, mid: str, prompt_ids: list[int], params, tools: list[dict] | None) -> AsyncIterator[str]:
+    async def stream(self, mid: str, prompt_ids: list[int], params, tools: list[dict] | None,
+                     answer: Answer) -> AsyncIterator[str]:
         """Anthropic's event sequence: message_start, ping, per block content_block_start /
-        _delta / _stop, message_delta (stop reason, usage), message_stop. Text streams as it
-        comes; with tools the answer is held to its end, where its tool calls are known."""
+        _delta / _stop, message_delta (stop reason, usage), message_stop. A thinking model's
+        reasoning streams as a thinking block before the text. Text streams as it comes; with
+        tools the answer is held to its end, where its tool calls are known."""
         server = self.server
-
-        def event(kind: str, **data) -> str:
-            return sse({"type": kind} | data, event=kind)
+        blocks = _Blocks()
 
         start = MessageOut(id=mid, model=server.model_id, content=[], stop_reason=None, stop_sequence=None,
                            usage=Usage(input_tokens=len(prompt_ids), output_tokens=0))
-        yield event("message_start", message=start.model_dump())
-        yield event("ping")
+        yield _event("message_start", message=start.model_dump())
+        yield _event("ping")
         c = Choice(0)
-        num_blocks = 0
-        text_open = False
         try:
             async for _, out in server.run_choices(prompt_ids, params):
                 server.add(c, out)
-                if tools or not out.text:
+                if tools:
                     continue
-                if not text_open:
-                    yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-                    text_open, num_blocks = True, 1
-                yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": out.text})
+                reasoning, content = answer.feed(out.text)
+                for e in blocks.say(reasoning, content):
+                    yield e
+            if not tools:
+                for e in blocks.say(*answer.finish()):
+                    yield e
         except LocalLLMError as e:
             _, body = error_body("/v1/messages", 500, str(e), "server_error")
             yield sse(body, event="error")
             return
-        if text_open:
-            yield event("content_block_stop", index=0)
-        content, calls, finish = server.split_tool_calls(c.text, tools, c.finish_reason, lambda: new_id("toolu"))
-        if tools and content:
-            yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-            yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": content})
-            yield event("content_block_stop", index=0)
-            num_blocks = 1
+        calls, finish = [], c.finish_reason
+        if tools:
+            reasoning, text = answer.split(c.text)
+            content, calls, finish = server.split_tool_calls(text, tools, c.finish_reason, lambda: new_id("toolu"))
+            for e in blocks.say(reasoning or "", content or ""):
+                yield e
+        for e in blocks.close():
+            yield e
         for call in calls:
-            yield event("content_block_start", index=num_blocks,
-                        content_block={"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
-            yield event("content_block_delta", index=num_blocks,
-                        delta={"type": "input_json_delta", "partial_json": json.dumps(tool_input(call))})
-            yield event("content_block_stop", index=num_blocks)
-            num_blocks += 1
-        yield event("message_delta", delta={"stop_reason": stop_reason(finish, c.stop_sequence),
-                                            "stop_sequence": c.stop_sequence},
-                    usage=self.usage(len(prompt_ids), c).model_dump())
-        yield event("message_stop")
+            for e in blocks.tool_use(call):
+                yield e
+        yield _event("message_delta", delta={"stop_reason": stop_reason(finish, c.stop_sequence),
+                                             "stop_sequence": c.stop_sequence},
+                     usage=self.usage(len(prompt_ids), c).model_dump())
+        yield _event("message_stop")
+
+
+def _event(kind: str, **data) -> str:
+    return sse({"type": kind} | data, event=kind)
+
+
+class _Blocks:
+    """The content blocks of a streamed message: a thinking block, then a text block, then
+    tool_use blocks, each opened when its first piece comes and closed before the next."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None
+
+    def _start(self, block: dict) -> list[str]:
+        events = self.close()
+        self.index += 1
+        self.open = block["type"]
+        return events + [_event("content_block_start", index=self.index, content_block=block)]
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [_event("content_block_stop", index=self.index)]
+
+    def say(self, reasoning: str, content: str) -> list[str]:
+        events = []
+        if reasoning:
+            if self.open != "thinking":
+                events += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            events.append(_event("content_block_delta", index=self.index,
+                                 delta={"type": "thinking_delta", "thinking": reasoning}))
+        if content:
+            if self.open != "text":
+                events += self._start({"type": "text", "text": ""})
+            events.append(_event("content_block_delta", index=self.index, delta={"type": "text_delta", "text": content}))
+        return events
+
+    def tool_use(self, call: ToolCall) -> list[str]:
+        events = self._start({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+        events.append(_event("content_block_delta", index=self.index,
+                             delta={"type": "input_json_delta", "partial_json": json.dumps(tool_input(call))}))
+        return events + self.close()
 
 
 def add_routes(app: FastAPI, server: Server) -> None:

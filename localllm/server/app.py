@@ -4,7 +4,8 @@ its own module over the shared request path (core.Server):
 
 - openai_chat: OpenAI's `/v1/chat/completions` and `/v1/completions`;
 - openai_responses: OpenAI's `/v1/responses` (and its kept responses, response_store.py);
-- anthropic_messages: Anthropic's `/v1/messages` and `/v1/messages/count_tokens`.
+- anthropic_messages: Anthropic's `/v1/messages` and `/v1/messages/count_tokens`;
+- infill: llama.cpp's `/infill` (fill-in-the-middle for editors).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from localllm.config import ServerConfig
 from localllm.engine.engine import AsyncEngine
 from localllm.errors import ContextOverflowError, LocalLLMError
 from localllm.paths import responses_db
-from localllm.server import anthropic_messages, openai_chat, openai_responses
+from localllm.server import anthropic_messages, infill, openai_chat, openai_responses
 from localllm.server import protocol as P
 from localllm.server.core import Server
 from localllm.server.errors import (AnthropicErrorBody, APIError, ErrorBody, api_error_response, error_response,
@@ -97,7 +98,7 @@ def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig) -> F
     server = Server(engine, model_path, config, n_ctx_train)
     app = FastAPI(title="localllm", version=__version__,
                   description="localllm's API on a local model: OpenAI's chat completions, completions "
-                              "and responses, Anthropic's messages.")
+                              "and responses, Anthropic's messages, llama.cpp's infill.")
     app.state.server = server
 
     # Each middleware added wraps those before it, so a request meets them in the reverse order:
@@ -161,6 +162,7 @@ def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig) -> F
     openai_chat.add_routes(app, server)
     openai_responses.add_routes(app, server, ResponseStore(responses_db()))
     anthropic_messages.add_routes(app, server)
+    infill.add_routes(app, server)
 
     @app.get("/v1/models", response_model=P.ModelList)
     async def models():

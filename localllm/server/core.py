@@ -24,6 +24,7 @@ from localllm.config import ServerConfig
 from localllm.engine.engine import AsyncEngine, RequestOutput
 from localllm.engine.request import SamplingParams
 from localllm.errors import TemplateError, UsageError
+from localllm.reasoning import ReasoningMarkers, ReasoningParser, reasoning_markers, split_reasoning
 from localllm.server.errors import APIError
 from localllm.server.metrics import ServerMetrics
 
@@ -63,6 +64,24 @@ class Choice:
         return self.metrics.num_cached_tokens if self.metrics else 0
 
 
+class Answer:
+    """An answer's text as it streams, split into reasoning and content (all content when the
+    template does not think): ``feed`` each piece, ``finish`` at the end; ``split`` a whole text."""
+
+    def __init__(self, markers: ReasoningMarkers | None):
+        self.markers = markers
+        self._parser = ReasoningParser(markers) if markers is not None else None
+
+    def feed(self, text: str) -> tuple[str, str]:
+        return self._parser.feed(text) if self._parser is not None else ("", text)
+
+    def finish(self) -> tuple[str, str]:
+        return self._parser.finish() if self._parser is not None else ("", "")
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        return split_reasoning(text, self.markers) if self.markers is not None else (None, text)
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """A tool call parsed from an answer: its id, the function's name, the arguments as JSON text."""
@@ -84,6 +103,8 @@ class Server:
         self.model_names = {self.model_id, Path(model_path).name}
         self.metrics = ServerMetrics()
         self.num_in_flight = 0
+        # Whether the model's chat template thinks (a <think> block before the answer).
+        self.template_thinks = reasoning_markers(getattr(self.tokenizer, "template_source", None)) is not None
 
     # -- admission ------------------------------------------------------------------------
 
@@ -127,14 +148,29 @@ class Server:
 
     # -- prompts and grammars -------------------------------------------------------------
 
-    async def chat_prompt(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        """The chat through the model's template, tokenized so no message forges a control token."""
+    async def chat_prompt(self, messages: list[dict], tools: list[dict] | None, thinking: bool = True,
+                          template_vars: dict | None = None) -> list[int]:
+        """The chat through the model's template, tokenized so no message forges a control token.
+        ``thinking`` False asks a thinking template to skip its reasoning (Qwen3's
+        enable_thinking); ``template_vars`` are a request's own template variables (vLLM's and
+        llama-server's chat_template_kwargs)."""
+        template_vars = dict(template_vars or {})
+        if not thinking:
+            template_vars["enable_thinking"] = False
         try:
-            return await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, True, tools)
+            return await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, True, tools,
+                                           template_vars or None)
         except TemplateLimitError as e:  # the model's template is broken or hostile: not the request's fault
             raise APIError(500, str(e), type_="server_error", code="chat_template_error") from None
         except (TemplateError, UsageError) as e:
             raise APIError(400, str(e), param="messages") from None
+
+    def reasoning_for(self, prompt_ids: list[int]) -> ReasoningMarkers | None:
+        """How this prompt's answer marks its reasoning, or None when the template does not think.
+        The prompt's last tokens say whether it already opened the block (the R1 distills)."""
+        if not self.template_thinks:
+            return None
+        return reasoning_markers(self.tokenizer.template_source, self.tokenizer.decode(prompt_ids[-8:]))
 
     def tool_grammar(self, tools: list[dict], name: str | None, param: str = "tool_choice") -> str:
         """The grammar of an answer that must call a tool (``name``, or any of ``tools``)."""
@@ -216,13 +252,18 @@ class Server:
                 t.cancel()  # a client that left: each stream's exit aborts its request
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def collect(self, request: Request, prompt_ids: list[int], params: list[SamplingParams]) -> list[Choice]:
-        """Every choice whole (a response that is not streamed); the client leaving aborts them."""
+    async def collect(self, request: Request, prompt_ids: list[int], params: list[SamplingParams],
+                      until: Callable[[Choice], bool] | None = None) -> list[Choice]:
+        """Every choice whole (a response that is not streamed); the client leaving aborts them.
+        ``until`` may end one answer early (it is aborted, its finish reason "length")."""
         choices = [Choice(i) for i in range(len(params))]
 
         async def consume() -> None:
             async for i, out in self.run_choices(prompt_ids, params):
                 self.add(choices[i], out)
+                if until is not None and choices[i].finish_reason is None and until(choices[i]):
+                    choices[i].finish_reason = "length"
+                    break  # one choice: leaving the stream aborts it
 
         async def client_left() -> None:
             # A blocking receive, not request.is_disconnected(): behind a BaseHTTPMiddleware

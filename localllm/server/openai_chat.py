@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from localllm.engine.request import SamplingParams
 from localllm.errors import LocalLLMError, UsageError
 from localllm.server import protocol as P
-from localllm.server.core import Choice, Server, json_or_text, sse
+from localllm.server.core import Answer, Choice, Server, json_or_text, sse
 from localllm.server.errors import APIError
 
 EVENT_STREAM = {"text/event-stream": {}}  # with "stream": true: SSE events of the chunk objects
@@ -63,19 +63,23 @@ class OpenAIChat:
             raise APIError(400, "logit_bias is not supported yet; leave it out", param="logit_bias")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
         grammar = self.grammar_for(req, tools)
-        prompt_ids = await server.chat_prompt([message_dict(m) for m in req.messages], tools)
+        thinking = not (req.reasoning_effort == "none"
+                        or (req.chat_template_kwargs or {}).get("enable_thinking") is False)
+        prompt_ids = await server.chat_prompt([message_dict(m) for m in req.messages], tools, thinking,
+                                              req.chat_template_kwargs)
+        markers = server.reasoning_for(prompt_ids)
         max_tokens = server.max_tokens_for(len(prompt_ids), req.max_completion_tokens or req.max_tokens, "messages")
         params = choice_params(server, req, max_tokens, req.logprobs, grammar, req.top_logprobs or 0)
         server.check_capacity(req.n)
         rid = P.new_id("chatcmpl")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._chat_stream(rid, req, prompt_ids, params, include_usage, tools),
+            return StreamingResponse(self._chat_stream(rid, req, prompt_ids, params, include_usage, tools, markers),
                                      media_type="text/event-stream")
         choices = await server.collect(request, prompt_ids, params)
         return P.ChatCompletion(
             id=rid, model=server.model_id,
-            choices=[self._chat_choice(c, req, tools) for c in choices],
+            choices=[self._chat_choice(c, req, tools, Answer(markers)) for c in choices],
             usage=usage(len(prompt_ids), choices),
         ).model_dump(exclude_none=False)
 
@@ -97,18 +101,28 @@ class OpenAIChat:
         return content, [P.ToolCall(id=c.id, function=P.FunctionCall(name=c.name, arguments=c.arguments))
                          for c in calls] or None, finish
 
-    def _chat_choice(self, c: Choice, req: P.ChatCompletionRequest, tools: list[dict] | None) -> P.ChatChoice:
-        content, calls, finish = self.tool_calls(c.text, tools, c.finish_reason)
+    def _chat_choice(self, c: Choice, req: P.ChatCompletionRequest, tools: list[dict] | None,
+                     answer: Answer) -> P.ChatChoice:
+        reasoning, text = answer.split(c.text)
+        content, calls, finish = self.tool_calls(text, tools, c.finish_reason)
+        message = P.ResponseMessage(content=content, reasoning_content=reasoning, reasoning=reasoning, tool_calls=calls)
         return P.ChatChoice(
-            index=c.index, message=P.ResponseMessage(content=content, tool_calls=calls), finish_reason=finish,
+            index=c.index, message=message, finish_reason=finish,
             logprobs=P.ChoiceLogprobs(content=self.token_logprobs(c.token_ids, c.logprobs, c.top_logprobs))
             if req.logprobs else None)
 
     async def _chat_stream(self, rid: str, req: P.ChatCompletionRequest, prompt_ids: list[int],
                            params: list[SamplingParams], include_usage: bool,
-                           tools: list[dict] | None = None) -> AsyncIterator[str]:
+                           tools: list[dict] | None = None, markers=None) -> AsyncIterator[str]:
+        """Chunks as the answer comes: reasoning in reasoning_content (and reasoning), never
+        in content; with tools the answer is sent when it ends, where its calls are known."""
         server = self.server
         choices = [Choice(i) for i in range(len(params))]
+        answers = [Answer(markers) for _ in params]
+
+        def said(reasoning: str, content: str | None) -> P.ChunkDelta:
+            return P.ChunkDelta(content=content if content or not reasoning else None,
+                                reasoning_content=reasoning or None, reasoning=reasoning or None)
 
         def chunk(index: int, delta: P.ChunkDelta, finish: str | None = None, logprobs=None) -> str:
             c = P.ChatCompletionChunk(id=rid, model=server.model_id, choices=[
@@ -125,15 +139,20 @@ class OpenAIChat:
                       if req.logprobs and out.token_ids else None)
                 if tools:  # a tool call is only known whole: the answer is sent when it ends
                     if out.finished:
-                        content, calls, finish = self.tool_calls(choices[i].text, tools, out.finish_reason)
-                        delta = P.ChunkDelta(content=content, tool_calls=[
-                            {"index": k, **c.model_dump()} for k, c in enumerate(calls)] if calls else None)
+                        reasoning, text = answers[i].split(choices[i].text)
+                        content, calls, finish = self.tool_calls(text, tools, out.finish_reason)
+                        delta = said(reasoning or "", content)
+                        delta.tool_calls = [{"index": k, **c.model_dump()} for k, c in enumerate(calls)] if calls else None
                         yield chunk(i, delta)
                         yield chunk(i, P.ChunkDelta(), finish=finish)
                     continue
-                if out.text or lp is not None:
-                    yield chunk(i, P.ChunkDelta(content=out.text), logprobs=lp)
+                reasoning, content = answers[i].feed(out.text)
+                if reasoning or content or lp is not None:
+                    yield chunk(i, said(reasoning, content), logprobs=lp)
                 if out.finished:
+                    reasoning, content = answers[i].finish()
+                    if reasoning or content:
+                        yield chunk(i, said(reasoning, content))
                     yield chunk(i, P.ChunkDelta(), finish=out.finish_reason)
         except LocalLLMError as e:
             yield stream_error(e)

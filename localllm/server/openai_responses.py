@@ -23,7 +23,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from localllm.errors import LocalLLMError
-from localllm.server.core import Choice, Server, ToolCall, json_or_text, sse
+from localllm.server.core import Answer, Choice, Server, ToolCall, json_or_text, sse
 from localllm.server.errors import APIError
 from localllm.server.protocol import Int
 from localllm.server.response_store import ResponseStore
@@ -164,14 +164,19 @@ def part_text(content: str | list, where: str) -> str:
     return "".join(p.text if p.type != "refusal" else p.refusal for p in content)
 
 
-def output_items(content: str | None, calls: list[ToolCall], status: str) -> list[dict]:
-    items: list[dict] = []
-    if content:
-        items.append({"type": "message", "id": new_id("msg"), "status": status, "role": "assistant",
-                      "content": [{"type": "output_text", "text": content, "annotations": [], "logprobs": []}]})
-    items += [{"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": call.name,
-               "arguments": call.arguments, "status": "completed"} for call in calls]
-    return items
+def message_item(text: str, status: str, item_id: str | None = None) -> dict:
+    return {"type": "message", "id": item_id or new_id("msg"), "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def reasoning_item(text: str, item_id: str | None = None) -> dict:
+    return {"type": "reasoning", "id": item_id or new_id("rs"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+
+
+def call_item(call: ToolCall) -> dict:
+    return {"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": call.name,
+            "arguments": call.arguments, "status": "completed"}
 
 
 class OpenAIResponses:
@@ -234,17 +239,22 @@ class OpenAIResponses:
                  for t in req.tools] if req.tools and req.tool_choice != "none" else None
         grammar = self.grammar(req, tools)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        prompt_ids = await server.chat_prompt(system + conversation, tools)
+        thinking = (req.reasoning or {}).get("effort") != "none"
+        prompt_ids = await server.chat_prompt(system + conversation, tools, thinking)
+        answer = Answer(server.reasoning_for(prompt_ids))
         max_tokens = server.max_tokens_for(len(prompt_ids), req.max_output_tokens, "max_output_tokens")
         params = server.sampling_params(max_tokens=max_tokens, grammar=grammar, top_p=req.top_p,
                                         temperature=1.0 if req.temperature is None else req.temperature)
         server.check_capacity(1)
         base = self.response(new_id("resp"), req, "in_progress", [], None)
         if req.stream:
-            return StreamingResponse(self.stream(base, req, conversation, prompt_ids, params, tools),
+            return StreamingResponse(self.stream(base, req, conversation, prompt_ids, params, tools, answer),
                                      media_type="text/event-stream")
         [c] = await server.collect(request, prompt_ids, params)
-        return await self.finish(base, req, conversation, prompt_ids, c, tools)
+        reasoning, content, calls, status = self.result(c, answer, tools)
+        output = ([reasoning_item(reasoning)] if reasoning else []) + ([message_item(content, status)] if content else [])
+        return await self.finish(base, req, conversation, prompt_ids, c, output + [call_item(k) for k in calls],
+                                 content, calls, status)
 
     def response(self, rid: str, req: ResponsesRequest, status: str, output: list[dict], usage: dict | None) -> dict:
         fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else {"type": "text"}
@@ -259,93 +269,65 @@ class OpenAIResponses:
                 "store": req.store, "metadata": req.metadata or {}, "reasoning": req.reasoning,
                 "truncation": req.truncation or "disabled", "user": req.user}
 
+    def result(self, c: Choice, answer: Answer, tools: list[dict] | None):
+        """(reasoning, content, tool calls, status) of the finished answer ``c``."""
+        reasoning, text = answer.split(c.text)
+        content, calls, finish = self.server.split_tool_calls(text, tools, c.finish_reason, lambda: new_id("call"))
+        return reasoning, content, calls, "incomplete" if finish == "length" else "completed"
+
     async def finish(self, base: dict, req: ResponsesRequest, conversation: list[dict], prompt_ids: list[int],
-                     c: Choice, tools: list[dict] | None) -> dict:
-        """The finished response (stored when asked) from the answer ``c``."""
-        content, calls, finish = self.server.split_tool_calls(c.text, tools, c.finish_reason, lambda: new_id("call"))
-        incomplete = finish == "length"
-        status = "incomplete" if incomplete else "completed"
-        output = output_items(content, calls, status)
+                     c: Choice, output: list[dict], content: str | None, calls: list[ToolCall], status: str) -> dict:
+        """The finished response with its ``output`` items, kept when ``store`` asks."""
+        reasoning_tokens = 0  # not counted apart yet
         usage = {"input_tokens": len(prompt_ids), "input_tokens_details": {"cached_tokens": c.num_cached_tokens},
-                 "output_tokens": len(c.token_ids), "output_tokens_details": {"reasoning_tokens": 0},
+                 "output_tokens": len(c.token_ids), "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                  "total_tokens": len(prompt_ids) + len(c.token_ids)}
         response = base | {"status": status, "output": output, "usage": usage,
-                           "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None}
+                           "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None}
         if req.store:
-            answer = {"role": "assistant", "content": content or ""}
+            said = {"role": "assistant", "content": content or ""}  # the reasoning stays out, as templates drop it
             if calls:
-                answer["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                said["tool_calls"] = [{"id": call.id, "type": "function", "function": {
                     "name": call.name, "arguments": json_or_text(call.arguments)}} for call in calls]
-            await asyncio.to_thread(self.store.put, response["id"], response, conversation + [answer])
+            await asyncio.to_thread(self.store.put, response["id"], response, conversation + [said])
         return response
 
     async def stream(self, base: dict, req: ResponsesRequest, conversation: list[dict], prompt_ids: list[int],
-                     params, tools: list[dict] | None) -> AsyncIterator[str]:
-        """The Responses event sequence: response.created, response.in_progress, then per output
-        item output_item.added, (content_part.added, output_text.delta..., output_text.done,
-        content_part.done | function_call_arguments.delta, .done), output_item.done, and
+                     params, tools: list[dict] | None, answer: Answer) -> AsyncIterator[str]:
+        """The Responses event sequence: response.created, response.in_progress, then each output
+        item (a reasoning item, a message, function calls) with its own events, and
         response.completed (or response.incomplete). Text streams as it comes; with tools the
         answer is held to its end, where its calls are known."""
         server = self.server
-        sequence = 0
-
-        def event(kind: str, **data) -> str:
-            nonlocal sequence
-            sequence += 1
-            return sse({"type": kind, "sequence_number": sequence - 1} | data, event=kind)
-
-        yield event("response.created", response=base)
-        yield event("response.in_progress", response=base)
+        out_items = _Output()
+        yield out_items.event("response.created", response=base)
+        yield out_items.event("response.in_progress", response=base)
         c = Choice(0)
-        message_id = new_id("msg")
-        opened = False
-
-        def open_message() -> list[str]:
-            item = {"type": "message", "id": message_id, "status": "in_progress", "role": "assistant", "content": []}
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            return [event("response.output_item.added", output_index=0, item=item),
-                    event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
-                          part=part)]
-
         try:
             async for _, out in server.run_choices(prompt_ids, params):
                 server.add(c, out)
-                if tools or not out.text:
-                    continue
-                if not opened:
-                    for e in open_message():
+                if not tools:
+                    for e in out_items.say(*answer.feed(out.text)):
                         yield e
-                    opened = True
-                yield event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
-                            delta=out.text, logprobs=[])
+            if not tools:
+                for e in out_items.say(*answer.finish()):
+                    yield e
         except LocalLLMError as e:
             failed = base | {"status": "failed", "error": {"code": "server_error", "message": str(e)}}
-            yield event("response.failed", response=failed)
+            yield out_items.event("response.failed", response=failed)
             return
-        response = await self.finish(base, req, conversation, prompt_ids, c, tools)
-        for index, item in enumerate(response["output"]):
-            if item["type"] == "message":
-                item["id"] = message_id  # the id its deltas named
-                text = item["content"][0]["text"]
-                if not opened:
-                    for e in open_message():
-                        yield e
-                    yield event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
-                                delta=text, logprobs=[])
-                yield event("response.output_text.done", item_id=message_id, output_index=index, content_index=0,
-                            text=text, logprobs=[])
-                yield event("response.content_part.done", item_id=message_id, output_index=index, content_index=0,
-                            part=item["content"][0])
-            else:
-                added = item | {"arguments": "", "status": "in_progress"}
-                yield event("response.output_item.added", output_index=index, item=added)
-                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                            delta=item["arguments"])
-                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                            name=item["name"], arguments=item["arguments"])
-            yield event("response.output_item.done", output_index=index, item=item)
-        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        yield event(kind, response=response)
+        reasoning, content, calls, status = self.result(c, answer, tools)
+        if tools:
+            for e in out_items.say(reasoning or "", content or ""):
+                yield e
+        for e in out_items.close(status):
+            yield e
+        for call in calls:
+            for e in out_items.call(call_item(call)):
+                yield e
+        response = await self.finish(base, req, conversation, prompt_ids, c, out_items.items, content, calls, status)
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        yield out_items.event(kind, response=response)
 
     async def retrieve(self, response_id: str) -> dict:
         stored = await asyncio.to_thread(self.store.get, response_id)
@@ -359,6 +341,72 @@ class OpenAIResponses:
             raise APIError(404, f"No response with id '{response_id}' is kept here", param="response_id",
                            code="not_found")
         return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+class _Output:
+    """The output items of a streamed response and their events, numbered in order: a reasoning
+    item, then a message, each opened when its first piece comes and closed before the next."""
+
+    def __init__(self) -> None:
+        self.items: list[dict] = []  # closed items, as the response lists them
+        self.sequence = 0
+        self.open: dict | None = None
+        self.text = ""
+
+    def event(self, kind: str, **data) -> str:
+        self.sequence += 1
+        return sse({"type": kind, "sequence_number": self.sequence - 1} | data, event=kind)
+
+    def _where(self) -> dict:
+        return {"item_id": self.open["id"], "output_index": len(self.items), "content_index": 0}
+
+    def _start(self, item: dict, part: dict) -> list[str]:
+        events = self.close("completed")
+        self.open, self.text = item, ""
+        return events + [self.event("response.output_item.added", output_index=len(self.items),
+                                    item=item | {"status": "in_progress", "content": []}),
+                         self.event("response.content_part.added", part=part, **self._where())]
+
+    def say(self, reasoning: str, content: str) -> list[str]:
+        events = []
+        if reasoning:
+            if self.open is None or self.open["type"] != "reasoning":
+                events += self._start(reasoning_item(""), {"type": "reasoning_text", "text": ""})
+            self.text += reasoning
+            events.append(self.event("response.reasoning_text.delta", delta=reasoning, **self._where()))
+        if content:
+            if self.open is None or self.open["type"] != "message":
+                events += self._start(message_item("", "in_progress"),
+                                      {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+            self.text += content
+            events.append(self.event("response.output_text.delta", delta=content, logprobs=[], **self._where()))
+        return events
+
+    def close(self, status: str) -> list[str]:
+        if self.open is None:
+            return []
+        if self.open["type"] == "reasoning":
+            item = reasoning_item(self.text, self.open["id"])
+            events = [self.event("response.reasoning_text.done", text=self.text, **self._where())]
+        else:
+            item = message_item(self.text, status, self.open["id"])
+            events = [self.event("response.output_text.done", text=self.text, logprobs=[], **self._where())]
+        events += [self.event("response.content_part.done", part=item["content"][0], **self._where()),
+                   self.event("response.output_item.done", output_index=len(self.items), item=item)]
+        self.items.append(item)
+        self.open = None
+        return events
+
+    def call(self, item: dict) -> list[str]:
+        index = len(self.items)
+        self.items.append(item)
+        return [self.event("response.output_item.added", output_index=index,
+                           item=item | {"arguments": "", "status": "in_progress"}),
+                self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                           delta=item["arguments"]),
+                self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                           name=item["name"], arguments=item["arguments"]),
+                self.event("response.output_item.done", output_index=index, item=item)]
 
 
 class ResponseObject(BaseModel):

@@ -121,6 +121,10 @@ class ChatCompletionRequest(_Sampling):
     logit_bias: dict[str, float] | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
+    # Thinking models: "none" (or chat_template_kwargs {"enable_thinking": false}, vLLM's and
+    # llama-server's way) asks the template to skip the reasoning; the other efforts think.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -165,6 +169,9 @@ class ChoiceLogprobs(BaseModel):
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # A thinking model's reasoning, never in content: llama-server's name and vLLM's / Ollama's.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -188,6 +195,8 @@ class ChatCompletion(BaseModel):
 class ChunkDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[dict] | None = None
 
 

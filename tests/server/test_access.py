@@ -36,7 +36,8 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 # Every route of the server with its methods; a new route must be added here, and so audited.
 ROUTES = {
     ("/v1/chat/completions", "POST"), ("/v1/completions", "POST"), ("/v1/models", "GET"),
-    ("/v1/messages", "POST"), ("/v1/messages/count_tokens", "POST"),
+    ("/v1/messages", "POST"), ("/v1/messages/count_tokens", "POST"), ("/infill", "POST"),
+    ("/v1/responses", "POST"), ("/v1/responses/{response_id}", "GET"), ("/v1/responses/{response_id}", "DELETE"),
     ("/v1/models/{model_id}", "GET"), ("/health", "GET"), ("/metrics", "GET"),
     ("/openapi.json", "GET"), ("/openapi.json", "HEAD"), ("/docs", "GET"), ("/docs", "HEAD"),
     ("/docs/oauth2-redirect", "GET"), ("/docs/oauth2-redirect", "HEAD"), ("/redoc", "GET"), ("/redoc", "HEAD"),
@@ -185,7 +186,10 @@ def test_the_routes_are_exactly_the_audited_ones_with_no_path_like_parameter(tmp
     spec = client.get("/openapi.json").json()
     parameters = [(path, p["name"], p["in"]) for path, item in spec["paths"].items()
                   for operation in item.values() for p in operation.get("parameters", [])]
-    assert parameters == [("/v1/models/{model_id}", "model_id", "path")]  # a name, checked in memory
+    # A model's name, checked in memory; a response's id, a key of the response store (SQLite).
+    assert sorted(parameters) == [("/v1/models/{model_id}", "model_id", "path"),
+                                  ("/v1/responses/{response_id}", "response_id", "path"),
+                                  ("/v1/responses/{response_id}", "response_id", "path")]
 
 
 def test_no_route_opens_a_file_the_request_names(tmp_path):

@@ -1,0 +1,157 @@
+"""llama.cpp's `/infill` (fill-in-the-middle for editors: llama.vscode, llama.vim) over the shared
+request path (core.Server), on the same FIM prompt as `/v1/completions`' `suffix`
+(Tokenizer.encode_fim): `input_prefix`, `input_suffix`, `input_extra` (other files as context),
+`prompt` (text already typed at the cursor), streaming as llama-server streams it.
+
+Fields llama-server takes that mean nothing here (`cache_prompt`: the prefix cache always
+caches; `samplers`, `n_indent`, `id_slot`, `response_fields`, ...) are accepted and ignored; a
+known field of the wrong type is a 400. `t_max_predict_ms` ends the answer once that long has
+passed since its first token and it holds a newline, as llama-server does. Errors have
+OpenAI's shape, as llama-server's do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from localllm.errors import LocalLLMError, UsageError
+from localllm.server.core import Choice, Server, sse
+from localllm.server.errors import APIError
+from localllm.server.protocol import Int
+
+
+class ExtraFile(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    filename: str = "tmp"
+    text: str
+
+
+class InfillRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraFile] = Field(default_factory=list, max_length=256)
+    prompt: str = ""
+    n_predict: Int = Field(default=-1, ge=-1)  # -1: until the context is full
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_k: Int | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repeat_penalty: float | None = Field(default=None, ge=1e-3, le=1e3)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    seed: Int | None = None
+    stop: list[str] | None = None
+    stream: bool = False
+    t_max_predict_ms: Int | None = Field(default=None, ge=0)
+
+
+class InfillResult(BaseModel):
+    """The end of an answer, as llama-server's /infill gives it (`content` is what editors read)."""
+
+    model_config = ConfigDict(extra="allow")
+    content: str
+    stop: bool
+    model: str
+    tokens_predicted: int
+    tokens_evaluated: int
+    tokens_cached: int
+    stop_type: str
+    stopping_word: str
+    truncated: bool
+    timings: dict[str, Any]
+
+
+class Infill:
+    def __init__(self, server: Server):
+        self.server = server
+
+    async def infill(self, req: InfillRequest, request: Request):
+        server = self.server
+        if req.model is not None:
+            server.check_model(req.model)
+        budget = server.max_model_len - (req.n_predict if req.n_predict > 0 else 0)
+        encode_fim = getattr(server.tokenizer, "encode_fim", None)
+        if encode_fim is None:
+            raise APIError(400, "fill-in-the-middle is not supported yet", param="input_prefix")
+        try:
+            prompt_ids = await asyncio.to_thread(
+                encode_fim, req.input_prefix, req.input_suffix, [(f.filename, f.text) for f in req.input_extra],
+                req.prompt, budget - 1)
+        except UsageError as e:
+            raise APIError(400, str(e), param="input_prefix") from None
+        max_tokens = server.max_tokens_for(len(prompt_ids), req.n_predict if req.n_predict > 0 else None, "n_predict")
+        params = server.sampling_params(
+            max_tokens=max_tokens, stop=tuple(req.stop or ()), seed=req.seed, top_p=req.top_p, top_k=req.top_k,
+            temperature=req.temperature, min_p=req.min_p, repetition_penalty=req.repeat_penalty,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
+        server.check_capacity(1)
+        started = time.perf_counter()
+        until = _time_limit(req.t_max_predict_ms)
+        if req.stream:
+            return StreamingResponse(self.stream(prompt_ids, params, started, until), media_type="text/event-stream")
+        [c] = await server.collect(request, prompt_ids, params, until)
+        return self.result(c, prompt_ids, started)
+
+    def result(self, c: Choice, prompt_ids: list[int], started: float, content: str | None = None) -> dict:
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        m = c.metrics
+        prompt_ms = m.ttft * 1000 if m and m.ttft else 0.0
+        predicted_ms = max(elapsed_ms - prompt_ms, 0.0)
+        stop_type = {"stop": "word" if c.stop_sequence is not None else "eos", "length": "limit"}.get(
+            c.finish_reason or "", "none")
+        return InfillResult(
+            content=c.text if content is None else content, stop=True, model=self.server.model_id,
+            tokens_predicted=len(c.token_ids), tokens_evaluated=len(prompt_ids), tokens_cached=c.num_cached_tokens,
+            stop_type=stop_type, stopping_word=c.stop_sequence or "", truncated=False,
+            timings={"prompt_n": len(prompt_ids) - c.num_cached_tokens, "prompt_ms": prompt_ms,
+                     "predicted_n": len(c.token_ids), "predicted_ms": predicted_ms,
+                     "predicted_per_second": len(c.token_ids) / predicted_ms * 1000 if predicted_ms else 0.0}).model_dump()
+
+    async def stream(self, prompt_ids: list[int], params, started: float, until) -> AsyncIterator[str]:
+        """llama-server's stream: `{"content": piece, "stop": false}` per piece, then the result."""
+        c, out = Choice(0), None
+        try:
+            async for _, out in self.server.run_choices(prompt_ids, params):
+                self.server.add(c, out)
+                if out.text and not out.finished:
+                    yield sse({"content": out.text, "stop": False, "tokens": out.token_ids})
+                if until is not None and c.finish_reason is None and until(c):
+                    c.finish_reason = "length"
+                    break
+        except LocalLLMError as e:
+            yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+            return
+        last = out.text if out is not None and out.finished else ""
+        yield sse(self.result(c, prompt_ids, started, content=last))
+
+
+def _time_limit(t_max_predict_ms: int | None):
+    """llama-server's t_max_predict_ms: over that long since the first token, with a newline written."""
+    if not t_max_predict_ms:
+        return None
+    first: list[float] = []
+
+    def over(c: Choice) -> bool:
+        if not first:
+            first.append(time.perf_counter())
+        return "\n" in c.text and (time.perf_counter() - first[0]) * 1000 > t_max_predict_ms
+
+    return over
+
+
+def add_routes(app: FastAPI, server: Server) -> None:
+    door = Infill(server)
+
+    @app.post("/infill", response_model=None,
+              responses={200: {"model": InfillResult, "content": {"text/event-stream": {}}}})
+    async def infill(body: InfillRequest, request: Request):
+        return await door.infill(body, request)
