@@ -142,3 +142,31 @@ def _num_marker_prefix(text: str, marker: str) -> int:
         if text.endswith(marker[:n]):
             return n
     return 0
+
+
+def markers_for(tokenizer, prompt_ids: list[int]) -> ReasoningMarkers | None:
+    """How the answer to a chat prompt (``tokenizer``'s chat template, rendered and tokenized
+    as ``prompt_ids``) marks its reasoning; None when the template does not think. The
+    prompt's last tokens say whether it already opened the block (the R1 distills)."""
+    template = getattr(tokenizer, "template_source", None)
+    if reasoning_markers(template) is None:
+        return None
+    return reasoning_markers(template, tokenizer.decode(prompt_ids[-8:]))
+
+
+class Answer:
+    """An answer's text as it streams, split into reasoning and content (all content when the
+    template does not think): ``feed`` each piece, ``finish`` at the end; ``split`` a whole text."""
+
+    def __init__(self, markers: ReasoningMarkers | None):
+        self.markers = markers
+        self._parser = ReasoningParser(markers) if markers is not None else None
+
+    def feed(self, text: str) -> tuple[str, str]:
+        return self._parser.feed(text) if self._parser is not None else ("", text)
+
+    def finish(self) -> tuple[str, str]:
+        return self._parser.finish() if self._parser is not None else ("", "")
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        return split_reasoning(text, self.markers) if self.markers is not None else (None, text)

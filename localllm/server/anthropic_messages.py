@@ -24,7 +24,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from localllm.errors import LocalLLMError
-from localllm.server.core import Answer, Choice, Server, ToolCall, json_or_text, sse
+from localllm.reasoning import Answer
+from localllm.server.core import Choice, Server, ToolCall, json_or_text, sse
 from localllm.server.errors import APIError, error_body
 from localllm.server.protocol import Int
 

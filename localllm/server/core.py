@@ -24,7 +24,7 @@ from localllm.config import ServerConfig
 from localllm.engine.engine import AsyncEngine, RequestOutput
 from localllm.engine.request import SamplingParams
 from localllm.errors import TemplateError, UsageError
-from localllm.reasoning import ReasoningMarkers, ReasoningParser, reasoning_markers, split_reasoning
+from localllm.reasoning import ReasoningMarkers, markers_for, reasoning_markers
 from localllm.server.errors import APIError
 from localllm.server.metrics import ServerMetrics
 
@@ -62,24 +62,6 @@ class Choice:
     @property
     def num_cached_tokens(self) -> int:
         return self.metrics.num_cached_tokens if self.metrics else 0
-
-
-class Answer:
-    """An answer's text as it streams, split into reasoning and content (all content when the
-    template does not think): ``feed`` each piece, ``finish`` at the end; ``split`` a whole text."""
-
-    def __init__(self, markers: ReasoningMarkers | None):
-        self.markers = markers
-        self._parser = ReasoningParser(markers) if markers is not None else None
-
-    def feed(self, text: str) -> tuple[str, str]:
-        return self._parser.feed(text) if self._parser is not None else ("", text)
-
-    def finish(self) -> tuple[str, str]:
-        return self._parser.finish() if self._parser is not None else ("", "")
-
-    def split(self, text: str) -> tuple[str | None, str]:
-        return split_reasoning(text, self.markers) if self.markers is not None else (None, text)
 
 
 @dataclass(frozen=True)
@@ -166,11 +148,8 @@ class Server:
             raise APIError(400, str(e), param="messages") from None
 
     def reasoning_for(self, prompt_ids: list[int]) -> ReasoningMarkers | None:
-        """How this prompt's answer marks its reasoning, or None when the template does not think.
-        The prompt's last tokens say whether it already opened the block (the R1 distills)."""
-        if not self.template_thinks:
-            return None
-        return reasoning_markers(self.tokenizer.template_source, self.tokenizer.decode(prompt_ids[-8:]))
+        """How this prompt's answer marks its reasoning, or None when the template does not think."""
+        return markers_for(self.tokenizer, prompt_ids) if self.template_thinks else None
 
     def tool_grammar(self, tools: list[dict], name: str | None, param: str = "tool_choice") -> str:
         """The grammar of an answer that must call a tool (``name``, or any of ``tools``)."""

@@ -13,7 +13,8 @@ from fastapi.responses import StreamingResponse
 from localllm.engine.request import SamplingParams
 from localllm.errors import LocalLLMError, UsageError
 from localllm.server import protocol as P
-from localllm.server.core import Answer, Choice, Server, json_or_text, sse
+from localllm.reasoning import Answer
+from localllm.server.core import Choice, Server, json_or_text, sse
 from localllm.server.errors import APIError
 
 EVENT_STREAM = {"text/event-stream": {}}  # with "stream": true: SSE events of the chunk objects

@@ -23,7 +23,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from localllm.errors import LocalLLMError
-from localllm.server.core import Answer, Choice, Server, ToolCall, json_or_text, sse
+from localllm.reasoning import Answer
+from localllm.server.core import Choice, Server, ToolCall, json_or_text, sse
 from localllm.server.errors import APIError
 from localllm.server.protocol import Int
 from localllm.server.response_store import ResponseStore

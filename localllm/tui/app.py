@@ -246,7 +246,7 @@ class ChatApp(App[int]):
                 if self._stop_requested:
                     backend.stop()  # Esc came before the stream had started
                 figures.observe(chunk)
-                answer_view.add(chunk.text)
+                answer_view.add(chunk.text, chunk.reasoning)
         except ContextOverflowError as e:
             if not saved:
                 await user_view.remove()

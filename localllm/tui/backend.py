@@ -17,6 +17,7 @@ from typing import Protocol
 
 from localllm.config import EngineConfig
 from localllm.errors import ContextOverflowError, EngineError, LocalLLMError, ModelLoadError, UsageError
+from localllm.reasoning import Answer, markers_for
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,11 @@ class GenerationSettings:
 
 @dataclass
 class Chunk:
-    """Part of an answer: new text and how many tokens it took; at the end, why it ended."""
+    """Part of an answer: new text (and a thinking model's reasoning, apart) and how many tokens
+    it took; at the end, why it ended."""
 
     text: str = ""
+    reasoning: str = ""
     num_tokens: int = 0
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
@@ -175,10 +178,15 @@ class LocalBackend:
         params = SamplingParams(max_tokens=min(settings.max_tokens, self.n_ctx - len(prompt_ids)),
                                 temperature=settings.temperature, top_p=settings.top_p)
         self._request_id = rid = f"chat-{uuid.uuid4().hex[:8]}"
+        answer = Answer(markers_for(self.tokenizer, prompt_ids))
         first = True
         try:
             async for out in self._engine.generate(prompt_ids, params, request_id=rid):
-                chunk = Chunk(text=out.text, num_tokens=len(out.token_ids), finished=out.finished,
+                reasoning, text = answer.feed(out.text)
+                if out.finished:
+                    more = answer.finish()
+                    reasoning, text = reasoning + more[0], text + more[1]
+                chunk = Chunk(text=text, reasoning=reasoning, num_tokens=len(out.token_ids), finished=out.finished,
                               finish_reason=out.finish_reason)
                 if first or out.finished:
                     chunk.prompt_tokens = len(prompt_ids)
@@ -380,7 +388,11 @@ def _parse_event(line: str) -> Chunk | None:
     for choice in event.get("choices") or []:
         delta = choice.get("delta") or {}
         text = delta.get("content") or ""
-        if text:
+        # A thinking model's reasoning: llama-server's reasoning_content, vLLM's and Ollama's reasoning.
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
+        if isinstance(reasoning, str) and reasoning:
+            chunk.reasoning += reasoning
+        if text or reasoning:
             chunk.text += text
             chunk.num_tokens += 1  # servers send about one token per event
         if choice.get("finish_reason"):

@@ -6,7 +6,7 @@ import re
 
 from textual.app import ComposeResult
 from textual.containers import Vertical
-from textual.widgets import Label, Markdown
+from textual.widgets import Collapsible, Label, Markdown, Static
 
 _FENCE = re.compile(r"^(`{3,}|~{3,})[^\n]*\n(.*?)^\1[ \t]*$", re.S | re.M)
 
@@ -52,6 +52,8 @@ class MessageView(Vertical):
         self._error = error
         self._stream = None
         self._pending = ""
+        self.reasoning = ""  # a thinking model's reasoning: shown dimmed, folded, never in content
+        self._reasoning_shown = ""
         if excluded:
             self.add_class("excluded")
 
@@ -81,13 +83,24 @@ class MessageView(Vertical):
                 parts.append("cut at the token limit")
         return "  ".join(parts)
 
-    def add(self, text: str) -> None:
-        """Take more of the answer; it reaches the screen at the next ``flush``."""
+    def add(self, text: str, reasoning: str = "") -> None:
+        """Take more of the answer (and of its reasoning); it reaches the screen at the next ``flush``."""
         self.content += text
         self._pending += text
+        self.reasoning += reasoning
 
     async def flush(self) -> None:
-        """Render what came since the last flush (Markdown re-renders its last block)."""
+        """Render what came since the last flush (Markdown re-renders its last block); the
+        reasoning goes into a folded "Thinking" section above the answer."""
+        if self.reasoning != self._reasoning_shown:
+            self._reasoning_shown = self.reasoning
+            folds = self.query(".reasoning-fold")
+            if folds:
+                folds.first(Collapsible).query_one(".reasoning", Static).update(self.reasoning)
+            else:
+                fold = Collapsible(Static(self.reasoning, classes="reasoning", markup=False), title="Thinking",
+                                   collapsed=True, classes="reasoning-fold")
+                await self.mount(fold, before=self.query_one(".body"))
         if not self._pending:
             return
         if self._stream is None:
