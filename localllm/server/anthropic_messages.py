@@ -52,13 +52,8 @@ class TextBlock(_Part):
     cache_control: CacheControl = None
 
 
-class ImageBlock(_Part):
-    type: Literal["image"]
-    source: dict[str, Any]
-
-
-class DocumentBlock(_Part):
-    type: Literal["document"]
+class MediaBlock(_Part):
+    type: Literal["image", "document"]  # a 400: the model reads text only
     source: dict[str, Any]
 
 
@@ -72,23 +67,20 @@ class ToolUseBlock(_Part):
 class ToolResultBlock(_Part):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[Annotated[TextBlock | ImageBlock | DocumentBlock, Field(discriminator="type")]] | None = None
+    content: str | list[Annotated[TextBlock | MediaBlock, Field(discriminator="type")]] | None = None
     is_error: bool | None = None
 
 
 class ThinkingBlock(_Part):
-    type: Literal["thinking"]
-    thinking: str
+    """An earlier turn's reasoning: left out of the prompt, as thinking templates leave it."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
     signature: str | None = None
+    data: str | None = None
 
 
-class RedactedThinkingBlock(_Part):
-    type: Literal["redacted_thinking"]
-    data: str
-
-
-Block = Annotated[TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
-                  | RedactedThinkingBlock, Field(discriminator="type")]
+Block = Annotated[TextBlock | MediaBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
 
 
 class Message(_Request):

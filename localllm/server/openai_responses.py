@@ -416,17 +416,8 @@ class ResponseObject(BaseModel):
     model_config = ConfigDict(extra="allow")
     id: str
     object: Literal["response"]
-    created_at: int
     status: Literal["completed", "incomplete", "in_progress", "failed"]
-    model: str
     output: list[dict[str, Any]]
-    usage: dict[str, Any] | None
-
-
-class DeletedResponse(BaseModel):
-    id: str
-    object: Literal["response.deleted"]
-    deleted: bool
 
 
 def add_routes(app: FastAPI, server: Server, store: ResponseStore) -> None:
@@ -441,6 +432,6 @@ def add_routes(app: FastAPI, server: Server, store: ResponseStore) -> None:
     async def retrieve(response_id: str):
         return await door.retrieve(response_id)
 
-    @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse)
+    @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str):
         return await door.delete(response_id)
