@@ -84,7 +84,7 @@ Block = Annotated[TextBlock | MediaBlock | ToolUseBlock | ToolResultBlock | Thin
 
 
 class Message(_Request):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: Claude Code's mid-conversation system text
     content: str | list[Block]
 
 
@@ -131,6 +131,15 @@ class CountTokensRequest(_Request):
     output_config: OutputConfig | None = None
     cache_control: CacheControl = None
     speed: Literal["standard", "fast"] | None = None
+    context_management: dict[str, Any] | None = None  # Claude Code's: the context here is not edited
+
+
+def _text_of(content: str | list, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if any(b.type != "text" for b in content):
+        raise APIError(400, f"{where}: a system message holds text blocks only", param=where)
+    return "".join(b.text for b in content)
 
 
 class MessagesRequest(CountTokensRequest):
@@ -223,12 +232,16 @@ class AnthropicMessages:
     def chat(self, req: CountTokensRequest) -> tuple[list[dict], list[dict] | None]:
         """The request as the chat template takes it: (messages, tools or None)."""
         messages: list[dict] = []
-        system = req.system if isinstance(req.system, str) or req.system is None else "\n\n".join(
-            b.text for b in req.system)
-        if system:
-            messages.append({"role": "system", "content": system})
+        system = [req.system] if isinstance(req.system, str) else [b.text for b in req.system or ()]
+        # System text in the middle of the conversation joins the system prompt: every template
+        # takes one system message first, few take one later.
+        system += [_text_of(m.content, f"messages.{i}") for i, m in enumerate(req.messages) if m.role == "system"]
+        if any(system):
+            messages.append({"role": "system", "content": "\n\n".join(t for t in system if t)})
         known_ids: set[str] = set()
         for i, m in enumerate(req.messages):
+            if m.role == "system":
+                continue
             if isinstance(m.content, str):
                 messages.append({"role": m.role, "content": m.content})
                 continue
@@ -295,7 +308,11 @@ class AnthropicMessages:
         thinking = not (req.thinking is not None and req.thinking.type == "disabled")
         prompt_ids = await server.chat_prompt(messages, tools, thinking)
         answer = Answer(server.reasoning_for(prompt_ids))
-        max_tokens = server.max_tokens_for(len(prompt_ids), req.max_tokens, "max_tokens")
+        # max_tokens is a cap here, as Ollama has it: Claude Code asks 32,000 of any model, and
+        # the answer stops (stop_reason max_tokens) where the context ends. A prompt that leaves
+        # no room at all is a 400.
+        room = server.max_model_len - len(prompt_ids)
+        max_tokens = server.max_tokens_for(len(prompt_ids), min(req.max_tokens, max(room, 1)), "max_tokens")
         params = server.sampling_params(
             max_tokens=max_tokens, stop=tuple(req.stop_sequences or ()), grammar=grammar,
             temperature=1.0 if req.temperature is None else req.temperature,  # Anthropic's default

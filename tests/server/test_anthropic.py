@@ -164,8 +164,36 @@ def test_errors_are_anthropic_errors(client, http, model_id, live_server):
     anthropic_error(http.post("/v1/messages", content=b"{not json"), 400, "invalid_request_error")
     anthropic_error(http.post("/v1/messages/count_tokens", json={"model": model_id}), 400, "invalid_request_error")
     anthropic_error(http.get("/v1/messages"), 405, "invalid_request_error")
-    anthropic_error(http.post("/v1/messages", json={"model": model_id, "max_tokens": 5000, "messages": FRANCE}),
-                    400, "invalid_request_error")
+    long = [{"role": "user", "content": "hello " * 5000}]
+    message = anthropic_error(http.post("/v1/messages", json={"model": model_id, "max_tokens": 8, "messages": long}),
+                              400, "invalid_request_error")
+    assert "maximum context length is 4096 tokens" in message
     # Still healthy, and the OpenAI door still answers in OpenAI's shape.
     assert http.get("/health").json()["status"] == "ok"
     assert set(http.post("/v1/chat/completions", json={}).json()) == {"error"}
+
+
+def test_a_request_shaped_as_claude_code_sends_it(http, model_id):
+    """Claude Code (2.1) sends a system message in the middle of the conversation, asks 32,000
+    tokens of any model, and adds fields of its own: all are taken; the answer's length is
+    capped by the context (4,096 here), as Ollama caps it."""
+    body = {"model": model_id, "max_tokens": 32000, "stream": True, "temperature": 0,
+            "system": [{"type": "text", "text": "You are a CLI assistant.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [
+                             {"type": "text", "text": "<system-reminder>Today is 2026-12-03.</system-reminder>"},
+                             {"type": "text", "text": "Reply with the single word: pong",
+                              "cache_control": {"type": "ephemeral"}}]},
+                         {"role": "system", "content": "Available agent types: none."}],
+            "tools": [WEATHER_TOOL | {"cache_control": {"type": "ephemeral"}, "eager_input_streaming": True}],
+            "metadata": {"user_id": '{"device_id":"d","session_id":"s"}'}, "thinking": {"type": "adaptive"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "output_config": {"effort": "high"}}
+    with http.stream("POST", "/v1/messages?beta=true", json=body,
+                     headers={"anthropic-beta": "claude-code-20250219,mid-conversation-system-2026-04-07"}) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop"
+    assert events[-2]["delta"]["stop_reason"] in ("end_turn", "tool_use", "max_tokens")
+    count = http.post("/v1/messages/count_tokens", json={k: body[k] for k in (
+        "model", "system", "messages", "tools", "thinking", "context_management", "output_config")}).json()
+    assert count["input_tokens"] > 40
