@@ -160,6 +160,29 @@ class GGUFInfo:
         return num_kv_heads * (self.key_length + self.value_length) * bytes_per_value or None
 
 
+# llama.cpp's llama_pooling_type, as a model's {arch}.pooling_type stores it.
+POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+# Architectures llama.cpp runs as bidirectional text encoders: embedding models all.
+ENCODER_ARCHITECTURES = frozenset({
+    "bert", "modern-bert", "nomic-bert", "nomic-bert-moe", "neo-bert", "jina-bert-v2",
+    "jina-bert-v3", "eurobert",
+})
+
+
+def embedding_pooling(info: GGUFInfo) -> str | None:
+    """How an embedding model pools its token vectors into one: "mean", "cls" or "last", as
+    {arch}.pooling_type says (Qwen3-Embedding: "last"); None for a model that is not one (a
+    chat model, a reranker's "rank"). An encoder whose file names no pooling, or "none",
+    pools by mean, as sentence-transformers does by default."""
+    value = _get_int(info.path, info.metadata, f"{info.architecture}.pooling_type")
+    pooling = POOLING_TYPES.get(value) if value is not None else None
+    if pooling in ("mean", "cls", "last"):
+        return pooling
+    if info.architecture in ENCODER_ARCHITECTURES and pooling in (None, "none"):
+        return "mean"
+    return None
+
+
 def read_info(path: str | Path) -> GGUFInfo:
     """The model described by the GGUF file at path (the first part of a split model).
 

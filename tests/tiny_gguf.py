@@ -141,17 +141,22 @@ def tensor_shapes(cfg: TinyConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_tiny_gguf(path: Path, arch: str, seed: int = 0, dtype: str = "f32") -> Path:
+def write_tiny_gguf(path: Path, arch: str, seed: int = 0, dtype: str = "f32",
+                    pooling: str | None = None) -> Path:
     """Write a tiny random model of architecture ``arch`` to ``path``; return ``path``.
 
     ``dtype`` "f16" stores the 2-D weights as F16 (norms and biases stay F32, as in
     converted models); llama.cpp then also rounds the activations that meet them to F16.
+    ``pooling`` ("mean", "cls", "last") writes ``{arch}.pooling_type``, which makes the model
+    an embedding model, as Qwen3-Embedding's file ("last") is.
     """
     cfg = tiny_config(arch)
     if dtype not in ("f32", "f16"):
         raise ValueError(f"dtype {dtype!r} is not supported; use 'f32' or 'f16'")
     writer = gguf.GGUFWriter(path, arch)
     _add_hparams(writer, cfg, dtype)
+    if pooling is not None:
+        writer.add_pooling_type(gguf.PoolingType[pooling.upper()])
     if arch == "gemma3":
         _add_spm_vocab(writer, cfg)
     else:

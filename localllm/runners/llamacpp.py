@@ -140,6 +140,54 @@ def backend_report() -> dict:
     return report
 
 
+def _load_model(path: Path, n_gpu_layers: int):
+    """(model, GPU layers it got, whether weights may be repacked) for a checked GGUF file;
+    n_gpu_layers -1: every layer the GPU takes, falling back to the CPU when they do not fit."""
+    mparams = L.llama_model_default_params()
+    if amx_compiled_in():
+        # Weights stay in plain CPU buffers, never repacked for the AMX kernels, so those
+        # never run (this also forgoes the AVX repacking of the same extra buffers).
+        mparams.use_extra_bufts = False
+    gpu = L.llama_supports_gpu_offload()
+    mparams.n_gpu_layers = (999 if n_gpu_layers < 0 else n_gpu_layers) if gpu else 0
+    model = L.llama_model_load_from_file(str(path).encode(), mparams)
+    if not model and gpu and n_gpu_layers < 0:
+        # Every layer did not fit in GPU memory: fall back to the CPU rather than fail.
+        mparams.n_gpu_layers = 0
+        model = L.llama_model_load_from_file(str(path).encode(), mparams)
+    if not model:
+        raise ModelLoadError(
+            f"llama.cpp could not load {path}: the file is truncated, damaged or of an "
+            f"architecture this llama.cpp does not know; download it again"
+        )
+    return model, mparams.n_gpu_layers, bool(mparams.use_extra_bufts)
+
+
+class _NumpyBatch:
+    """A llama_batch of up to n tokens whose arrays are numpy buffers, so a step fills them
+    without a Python loop over tokens; every token in one sequence (seq_ids)."""
+
+    def __init__(self, n: int) -> None:
+        self.tokens = np.zeros(n, dtype=np.int32)
+        self.pos = np.zeros(n, dtype=np.int32)
+        self.n_seq_id = np.ones(n, dtype=np.int32)
+        self.seq_ids = np.zeros(n, dtype=np.int32)
+        self.logits_flags = np.zeros(n, dtype=np.int8)
+        seq_id_ptrs = (ctypes.POINTER(L.llama_seq_id) * n)()
+        base = self.seq_ids.ctypes.data
+        for i in range(n):
+            seq_id_ptrs[i] = ctypes.cast(base + 4 * i, ctypes.POINTER(L.llama_seq_id))
+        self._seq_id_ptrs = seq_id_ptrs  # the batch points into it: kept alive with it
+        batch = L.llama_batch()
+        batch.token = self.tokens.ctypes.data_as(ctypes.POINTER(L.llama_token))
+        batch.embd = None
+        batch.pos = self.pos.ctypes.data_as(ctypes.POINTER(L.llama_pos))
+        batch.n_seq_id = self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        batch.seq_id = ctypes.cast(seq_id_ptrs, ctypes.POINTER(ctypes.POINTER(L.llama_seq_id)))
+        batch.logits = self.logits_flags.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self.batch = batch
+
+
 class LlamaVocab:
     """The tokenizer.Vocab protocol over a llama.cpp model's vocabulary."""
 
@@ -380,25 +428,7 @@ class LlamaCppRunner:
         self.kv_dtype = config.cache.kv_dtype
         self.block_size = config.cache.block_size
         self.max_batch = config.scheduler.max_num_batched_tokens
-        mparams = L.llama_model_default_params()
-        if amx_compiled_in():
-            # Weights stay in plain CPU buffers, never repacked for the AMX kernels, so those
-            # never run (this also forgoes the AVX repacking of the same extra buffers).
-            mparams.use_extra_bufts = False
-        self.extra_bufts = bool(mparams.use_extra_bufts)
-        gpu = L.llama_supports_gpu_offload()
-        mparams.n_gpu_layers = (999 if config.n_gpu_layers < 0 else config.n_gpu_layers) if gpu else 0
-        self.model = L.llama_model_load_from_file(str(path).encode(), mparams)
-        if not self.model and gpu and config.n_gpu_layers < 0:
-            # Every layer did not fit in GPU memory: fall back to the CPU rather than fail.
-            mparams.n_gpu_layers = 0
-            self.model = L.llama_model_load_from_file(str(path).encode(), mparams)
-        self.n_gpu_layers = mparams.n_gpu_layers
-        if not self.model:
-            raise ModelLoadError(
-                f"llama.cpp could not load {path}: the file is truncated, damaged or of an "
-                f"architecture this llama.cpp does not know; download it again"
-            )
+        self.model, self.n_gpu_layers, self.extra_bufts = _load_model(path, config.n_gpu_layers)
         self.n_swa = L.llama_model_n_swa(self.model)
         # Whether the CPU computes the layers (some or all): then the engine chooses the threads.
         self.uses_cpu_threads = self.n_gpu_layers < L.llama_model_n_layer(self.model)
@@ -478,27 +508,9 @@ class LlamaCppRunner:
         self._init_slots()
 
     def _init_batch(self) -> None:
-        """A llama_batch whose arrays are numpy buffers, so a step fills them without a
-        Python loop over tokens."""
-        n = self.max_batch
-        self._tokens = np.zeros(n, dtype=np.int32)
-        self._pos = np.zeros(n, dtype=np.int32)
-        self._n_seq_id = np.ones(n, dtype=np.int32)
-        self._seq_ids = np.zeros(n, dtype=np.int32)
-        self._logits_flags = np.zeros(n, dtype=np.int8)
-        seq_id_ptrs = (ctypes.POINTER(L.llama_seq_id) * n)()
-        base = self._seq_ids.ctypes.data
-        for i in range(n):
-            seq_id_ptrs[i] = ctypes.cast(base + 4 * i, ctypes.POINTER(L.llama_seq_id))
-        self._seq_id_ptrs = seq_id_ptrs
-        batch = L.llama_batch()
-        batch.token = self._tokens.ctypes.data_as(ctypes.POINTER(L.llama_token))
-        batch.embd = None
-        batch.pos = self._pos.ctypes.data_as(ctypes.POINTER(L.llama_pos))
-        batch.n_seq_id = self._n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        batch.seq_id = ctypes.cast(seq_id_ptrs, ctypes.POINTER(ctypes.POINTER(L.llama_seq_id)))
-        batch.logits = self._logits_flags.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
-        self._batch = batch
+        self._batch_buffers = b = _NumpyBatch(self.max_batch)
+        self._tokens, self._pos, self._seq_ids, self._logits_flags = b.tokens, b.pos, b.seq_ids, b.logits_flags
+        self._batch = b.batch
 
     def make_constraint(self, gbnf: str, prefilter: bool = True) -> LlamaConstraint:
         """A grammar constraint; prefilter False asks llama.cpp about every token (slower,
@@ -751,6 +763,89 @@ class LlamaCppRunner:
     @property
     def num_holder_slots(self) -> int:
         return len(self._holders)
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            L.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            L.llama_model_free(self.model)
+            self.model = None
+
+
+# -- embedding models ----------------------------------------------------------------------
+
+_POOLING_TYPES = {"mean": L.LLAMA_POOLING_TYPE_MEAN, "cls": L.LLAMA_POOLING_TYPE_CLS,
+                  "last": L.LLAMA_POOLING_TYPE_LAST}
+
+
+class LlamaEmbeddingModel:
+    """An embedding model in a llama.cpp context of its own: many token sequences go through
+    one ``llama_decode``, each under its own sequence id, and come back pooled (one vector a
+    sequence, not normalized). An encoder (BERT) has no KV cache and cannot split a sequence,
+    so every call must fit one ubatch: at most ``n_ctx`` tokens and ``max_seqs`` sequences
+    in all. A decoder (Qwen3-Embedding, last-token pooling) gets a KV cache of ``n_ctx``
+    cells, emptied before each call. Not thread-safe: the caller holds a lock."""
+
+    def __init__(self, path: Path, pooling: str, n_ctx: int, max_seqs: int, threads: int,
+                 n_gpu_layers: int = -1):
+        if n_ctx % max_seqs:  # llama.cpp aborts the process while reserving the pooling graph
+            raise EngineError(f"an embedding context of {n_ctx} tokens is not a multiple of {max_seqs} sequences")
+        _init_backend()
+        check_gguf(path)
+        self.model, self.n_gpu_layers, _ = _load_model(path, n_gpu_layers)
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = n_ctx
+        cparams.n_seq_max = max_seqs
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.embeddings = True
+        cparams.pooling_type = _POOLING_TYPES[pooling]
+        cparams.kv_unified = True
+        cparams.no_perf = True
+        self.ctx = L.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            L.llama_model_free(self.model)
+            self.model = None
+            raise ModelLoadError(f"llama.cpp could not create an embedding context of {n_ctx} tokens "
+                                 f"for {path}; the machine may lack the memory")
+        self.mem = L.llama_get_memory(self.ctx)  # None for an encoder
+        self.n_ctx, self.max_seqs = n_ctx, max_seqs
+        self.dim = L.llama_model_n_embd_out(self.model)
+        self.vocab = LlamaVocab(self.model)
+        self._buffers = _NumpyBatch(max(n_ctx, 2))
+        self._buffers.logits_flags[:] = 1  # every token is an output: pooling reads them all
+
+    def embed(self, token_lists: list[list[int]]) -> np.ndarray:
+        """The pooled vectors (len(token_lists), dim) of sequences that fit one call; token
+        ids already checked against the vocabulary (llama.cpp only logs a bad one)."""
+        b, n = self._buffers, 0
+        if len(token_lists) > self.max_seqs or sum(map(len, token_lists)) > self.n_ctx:
+            raise EngineError(f"an embedding batch of {len(token_lists)} sequences exceeds "
+                              f"{self.max_seqs} sequences or {self.n_ctx} tokens")
+        for seq_id, ids in enumerate(token_lists):
+            k = len(ids)
+            b.tokens[n:n + k] = ids
+            b.pos[n:n + k] = np.arange(k, dtype=np.int32)
+            b.seq_ids[n:n + k] = seq_id
+            n += k
+        if n == 1:
+            # One token alone would take ggml's matrix-vector path, which rounds otherwise
+            # than the matrix-matrix one every larger call takes: a second sequence of one token.
+            b.tokens[1], b.pos[1], b.seq_ids[1] = b.tokens[0], 0, len(token_lists)
+            n = 2
+        if self.mem:
+            L.llama_memory_clear(self.mem, True)
+        b.batch.n_tokens = n
+        rc = L.llama_decode(self.ctx, b.batch)
+        if rc != 0:
+            raise EngineError(f"llama_decode failed with code {rc} on an embedding batch of {n} tokens")
+        out = np.empty((len(token_lists), self.dim), dtype=np.float32)
+        for seq_id in range(len(token_lists)):
+            ptr = L.llama_get_embeddings_seq(self.ctx, seq_id)
+            if not ptr:
+                raise EngineError(f"llama.cpp returned no pooled embedding for sequence {seq_id}")
+            out[seq_id] = np.ctypeslib.as_array(ptr, shape=(self.dim,))
+        return out
 
     def close(self) -> None:
         if getattr(self, "ctx", None):
