@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cut off a client that takes longer to send a request's headers, or its body (default 30)")
     serve.add_argument("--max-queue", type=_int_at_least(0), default=64,
                        help="requests that may wait beyond --parallel before new ones get a 503")
+    serve.add_argument("--embedding-model", default=None, metavar="MODEL",
+                       help="an embedding model (e.g. all-MiniLM-L6-v2 GGUF) served at /v1/embeddings beside --model")
     serve.add_argument("--ctx", type=_positive_int, default=None, help=CTX_HELP)
     serve.add_argument("--threads", type=_nonneg_int, default=0, help=THREADS_HELP)
     serve.add_argument("--batch-tokens", type=_positive_int, default=None, help="step token budget (default 256)")
@@ -385,7 +387,8 @@ def cmd_serve(args) -> int:
 
     server_config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                                  cors_origins=tuple(args.cors_origin), max_queue=args.max_queue,
-                                 read_timeout_s=args.read_timeout)
+                                 read_timeout_s=args.read_timeout,
+                                 embedding_model=_model_path(args.embedding_model) if args.embedding_model else None)
     return serve(_engine_config(args), server_config)
 
 

@@ -141,6 +141,7 @@ class ServerConfig:
     # Seconds a client has to send a request's headers, and then its whole body: a client
     # that stalls or trickles is cut off (uvicorn itself waits for either forever).
     read_timeout_s: float = 30.0
+    embedding_model: Path | None = None  # a GGUF embedding model served at /v1/embeddings
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from localllm.config import EngineConfig, ServerConfig
+from localllm.errors import UsageError
 
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
@@ -14,8 +15,19 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     from localllm.server.app import create_app
     from localllm.server.limits import header_timeout_protocol
 
+    embedder = None
+    if server_config.embedding_model is not None:
+        from localllm.engine.embedder import Embedder, is_embedding_model
+
+        if not is_embedding_model(server_config.embedding_model):
+            raise UsageError(f"--embedding-model {server_config.embedding_model.name} is not an embedding model "
+                             "(no pooling type in its metadata); give one such as all-MiniLM-L6-v2 or nomic-embed-text")
+        embedder = Embedder(server_config.embedding_model, n_threads=engine_config.n_threads or None)
+    if is_chat_model_an_embedder(engine_config.model_path):
+        raise UsageError(f"--model {engine_config.model_path.name} is an embedding model; serve a chat model with "
+                         f"--model and this one with --embedding-model {engine_config.model_path}")
     engine = AsyncEngine(LLMEngine(engine_config))
-    app = create_app(engine, engine_config.model_path, server_config)
+    app = create_app(engine, engine_config.model_path, server_config, embedder)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -51,4 +63,16 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     finally:
         engine.shutdown()
         engine.engine.close()
+        if embedder is not None:
+            embedder.close()
     return 0
+
+
+def is_chat_model_an_embedder(path) -> bool:
+    from localllm.engine.embedder import is_embedding_model
+    from localllm.errors import LocalLLMError
+
+    try:
+        return is_embedding_model(path)
+    except LocalLLMError:  # an unreadable file: the engine's load says what is wrong with it
+        return False

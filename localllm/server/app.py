@@ -5,7 +5,8 @@ its own module over the shared request path (core.Server):
 - openai_chat: OpenAI's `/v1/chat/completions` and `/v1/completions`;
 - openai_responses: OpenAI's `/v1/responses` (and its kept responses, response_store.py);
 - anthropic_messages: Anthropic's `/v1/messages` and `/v1/messages/count_tokens`;
-- infill: llama.cpp's `/infill` (fill-in-the-middle for editors).
+- infill: llama.cpp's `/infill` (fill-in-the-middle for editors);
+- embeddings: OpenAI's `/v1/embeddings`, over the embedding model `serve --embedding-model` loads.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from localllm.config import ServerConfig
 from localllm.engine.engine import AsyncEngine
 from localllm.errors import ContextOverflowError, LocalLLMError
 from localllm.paths import responses_db
-from localllm.server import anthropic_messages, infill, openai_chat, openai_responses
+from localllm.server import anthropic_messages, embeddings, infill, openai_chat, openai_responses
 from localllm.server import protocol as P
 from localllm.server.core import Server
 from localllm.server.errors import (AnthropicErrorBody, APIError, ErrorBody, api_error_response, error_response,
@@ -88,7 +89,9 @@ def model_card(server: Server) -> P.ModelCard:
                                         n_vocab=server.tokenizer.n_vocab))
 
 
-def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig) -> FastAPI:
+def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig, embedder=None) -> FastAPI:
+    """The app over ``engine`` (the chat model at ``model_path``) and, when given, ``embedder``
+    (engine/embedder.py: the embedding model of /v1/embeddings)."""
     from localllm.gguf import read_info
 
     try:
@@ -98,7 +101,7 @@ def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig) -> F
     server = Server(engine, model_path, config, n_ctx_train)
     app = FastAPI(title="localllm", version=__version__,
                   description="localllm's API on a local model: OpenAI's chat completions, completions "
-                              "and responses, Anthropic's messages, llama.cpp's infill.")
+                              "and responses, embeddings, Anthropic's messages, llama.cpp's infill.")
     app.state.server = server
 
     # Each middleware added wraps those before it, so a request meets them in the reverse order:
@@ -163,15 +166,23 @@ def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig) -> F
     openai_responses.add_routes(app, server, ResponseStore(responses_db()))
     anthropic_messages.add_routes(app, server)
     infill.add_routes(app, server)
+    embeddings.add_routes(app, server, embedder)
+
+    cards = [model_card(server)]
+    if embedder is not None:  # listed second: clients that take the first model get the chat model
+        cards.append(P.ModelCard(id=embedder.name, context_length=embedder.n_ctx, max_model_len=embedder.n_ctx,
+                                 meta=P.ModelMeta(n_ctx=embedder.n_ctx, n_ctx_train=None, n_vocab=embedder.n_vocab)))
 
     @app.get("/v1/models", response_model=P.ModelList)
     async def models():
-        return P.ModelList(data=[model_card(server)])
+        return P.ModelList(data=cards)
 
     @app.get("/v1/models/{model_id}", response_model=P.ModelCard)
     async def model(model_id: str):
+        if embedder is not None and model_id in (embedder.name, embedder.name + ".gguf"):
+            return cards[1]
         server.check_model(model_id)
-        return model_card(server)
+        return cards[0]
 
     @app.get("/health")
     async def health():

@@ -5,7 +5,8 @@ OpenAI's shape.
 
 Input is a string or a list of items: messages (input_text / output_text parts), function_call
 and function_call_output items; reasoning items are accepted and left out of the prompt. Only
-function tools exist here; other tool types, images and files are a 400 naming what to send.
+function tools exist here (a namespace's are offered as they are; tools OpenAI's service runs,
+such as web_search, are not offered); images and files are a 400 naming what to send.
 A response is kept (`store`, true by default as OpenAI has it) with the conversation it ended;
 `instructions` are not carried over to the next response, as OpenAI does.
 """
@@ -101,6 +102,30 @@ class FunctionTool(_Part):
     strict: bool | None = None
 
 
+class NamespaceTool(_Part):
+    """Function tools grouped under a name (Codex's multi_agent_v1): each is offered as it is."""
+
+    type: Literal["namespace"]
+    name: str
+    tools: list[FunctionTool]
+
+
+class HostedTool(_Part):
+    """A tool OpenAI's service runs (web_search, file_search, code_interpreter, mcp, ...): there
+    is no such service here, so it is not offered to the model (Codex sends web_search always)."""
+
+    type: str
+
+
+def _tool_type(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if kind in ("function", "namespace") else "hosted"
+
+
+Tool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[NamespaceTool, Tag("namespace")]
+                 | Annotated[HostedTool, Tag("hosted")], Discriminator(_tool_type)]
+
+
 class NamedFunction(_Request):
     type: Literal["function"]
     name: str
@@ -127,7 +152,7 @@ class ResponsesRequest(_Request):
     model: str
     input: str | list[Item]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: Int | None = Field(default=None, ge=1)
@@ -146,6 +171,7 @@ class ResponsesRequest(_Request):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     stream_options: dict[str, Any] | None = None
+    client_metadata: dict[str, Any] | None = None  # Codex's
 
 
 # -- the door --------------------------------------------------------------------------------
@@ -175,9 +201,14 @@ def reasoning_item(text: str, item_id: str | None = None) -> dict:
             "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
 
 
-def call_item(call: ToolCall) -> dict:
-    return {"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": call.name,
+def call_item(call: ToolCall, req: ResponsesRequest) -> dict:
+    """A function_call item; a namespace's function keeps its namespace, as Codex expects."""
+    item = {"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": call.name,
             "arguments": call.arguments, "status": "completed"}
+    for tool in req.tools or ():
+        if tool.type == "namespace" and any(f.name == call.name for f in tool.tools):
+            item["namespace"] = tool.name
+    return item
 
 
 class OpenAIResponses:
@@ -235,9 +266,11 @@ class OpenAIResponses:
         server = self.server
         server.check_model(req.model)
         conversation = await self.conversation(req)
+        functions = [f for t in req.tools or () if not isinstance(t, HostedTool)
+                     for f in (t.tools if isinstance(t, NamespaceTool) else [t])]
         tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                    "parameters": t.parameters or {"type": "object", "properties": {}}}}
-                 for t in req.tools] if req.tools and req.tool_choice != "none" else None
+                 for t in functions] if functions and req.tool_choice != "none" else None
         grammar = self.grammar(req, tools)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         thinking = (req.reasoning or {}).get("effort") != "none"
@@ -254,7 +287,7 @@ class OpenAIResponses:
         [c] = await server.collect(request, prompt_ids, params)
         reasoning, content, calls, status = self.result(c, answer, tools)
         output = ([reasoning_item(reasoning)] if reasoning else []) + ([message_item(content, status)] if content else [])
-        return await self.finish(base, req, conversation, prompt_ids, c, output + [call_item(k) for k in calls],
+        return await self.finish(base, req, conversation, prompt_ids, c, output + [call_item(k, req) for k in calls],
                                  content, calls, status)
 
     def response(self, rid: str, req: ResponsesRequest, status: str, output: list[dict], usage: dict | None) -> dict:
@@ -324,7 +357,7 @@ class OpenAIResponses:
         for e in out_items.close(status):
             yield e
         for call in calls:
-            for e in out_items.call(call_item(call)):
+            for e in out_items.call(call_item(call, req)):
                 yield e
         response = await self.finish(base, req, conversation, prompt_ids, c, out_items.items, content, calls, status)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"

@@ -63,13 +63,14 @@ SERVER_CTX = 4096  # the tests' server holds this many tokens of KV (its default
 
 
 @pytest.fixture(scope="session")
-def live_server(qwen_path: Path, tmp_path_factory) -> LiveServer:
+def live_server(qwen_path: Path, minilm_path: Path, tmp_path_factory) -> LiveServer:
     port = _free_port()
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "localllm.cli", "serve", "--model", str(qwen_path), "--port", str(port),
-             "--threads", "2", "--api-key", API_KEY, "--ctx", str(SERVER_CTX)],
+             "--threads", "2", "--api-key", API_KEY, "--ctx", str(SERVER_CTX),
+             "--embedding-model", str(minilm_path)],
             stdout=log, stderr=subprocess.STDOUT)
     server = LiveServer(port=port, process=process, log_path=log_path, model_path=qwen_path)
     _wait_healthy(server)

@@ -36,7 +36,7 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 # Every route of the server with its methods; a new route must be added here, and so audited.
 ROUTES = {
     ("/v1/chat/completions", "POST"), ("/v1/completions", "POST"), ("/v1/models", "GET"),
-    ("/v1/messages", "POST"), ("/v1/messages/count_tokens", "POST"), ("/infill", "POST"),
+    ("/v1/messages", "POST"), ("/v1/messages/count_tokens", "POST"), ("/infill", "POST"), ("/v1/embeddings", "POST"),
     ("/v1/responses", "POST"), ("/v1/responses/{response_id}", "GET"), ("/v1/responses/{response_id}", "DELETE"),
     ("/v1/models/{model_id}", "GET"), ("/health", "GET"), ("/metrics", "GET"),
     ("/openapi.json", "GET"), ("/openapi.json", "HEAD"), ("/docs", "GET"), ("/docs", "HEAD"),

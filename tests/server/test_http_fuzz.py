@@ -46,11 +46,13 @@ def _served_spec(live_server) -> dict:
     """The server's /openapi.json with `model` pinned to the one model it serves."""
     headers = {"Authorization": f"Bearer {live_server.api_key}"}
     spec = httpx.get(f"{live_server.url}/openapi.json", headers=headers, timeout=30).json()
-    model_id = httpx.get(f"{live_server.base_url}/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    model_id, embedder_id = [m["id"] for m in httpx.get(f"{live_server.base_url}/models", headers=headers,
+                                                          timeout=30).json()["data"]]
     for name in ("ChatCompletionRequest", "CompletionRequest", "MessagesRequest", "CountTokensRequest",
                  "ResponsesRequest"):
         spec["components"]["schemas"][name]["properties"]["model"] = {"type": "string", "enum": [model_id]}
     spec["components"]["schemas"]["InfillRequest"]["properties"].pop("model")  # optional, as llama-server has it
+    spec["components"]["schemas"]["EmbeddingRequest"]["properties"]["model"] = {"type": "string", "enum": [embedder_id]}
     return spec
 
 
@@ -82,6 +84,8 @@ def valid_schema(live_server):
     schemas["ResponsesRequest"]["properties"]["input"] = text
     for key in ("tools", "tool_choice", "text", "previous_response_id"):
         schemas["ResponsesRequest"]["properties"].pop(key)
+    schemas["EmbeddingRequest"]["properties"]["input"] = {"anyOf": [text, {"type": "array", "items": text,
+                                                                           "minItems": 1, "maxItems": 8}]}
     # Anthropic's door: text turns, no tools or schemas (their grammars are the chat door's too).
     schemas["Message"]["properties"] = {"role": {"enum": ["user", "assistant"]}, "content": text}
     for name in ("MessagesRequest", "CountTokensRequest"):

@@ -119,7 +119,7 @@ def test_bad_input_is_an_openai_4xx(client, http, model_id):
         "function_call_output for no call": {"input": [{"type": "function_call_output", "call_id": "call_x",
                                                         "output": "21"}]},
         "image": {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
-        "hosted tool": {"input": "hi", "tools": [{"type": "web_search"}]},
+        "function tool without a name": {"input": "hi", "tools": [{"type": "function", "parameters": {}}]},
         "unknown item": {"input": [{"type": "computer_call", "id": "x"}]},
         "wrong type": {"input": 5},
         "unknown field": {"input": "hi", "frobnicate": True},
@@ -180,3 +180,23 @@ def test_an_openai_agents_loop_calls_a_function_tool_and_answers(live_server, mo
                                     run_config=agents.RunConfig(tracing_disabled=True))
     assert len(calls) == 1 and "Paris" in calls[0]
     assert "21" in result.final_output or "sunny" in result.final_output.lower(), result.final_output
+
+
+def test_a_request_shaped_as_codex_sends_it(http, model_id):
+    """Codex (0.171) sends developer messages, function tools grouped in a namespace, a hosted
+    web_search tool (not offered: nothing here runs it), and fields of its own; all are taken."""
+    body = {"model": model_id, "stream": True, "store": False, "tool_choice": "auto", "parallel_tool_calls": True,
+            "reasoning": {"summary": "auto"}, "include": ["reasoning.encrypted_content"], "prompt_cache_key": "s1",
+            "client_metadata": {"session_id": "s1"}, "max_output_tokens": 16,
+            "input": [{"type": "message", "role": "developer",
+                       "content": [{"type": "input_text", "text": "You are a coding agent."}]},
+                      {"type": "message", "role": "user",
+                       "content": [{"type": "input_text", "text": "Reply with the single word: pong"}]}],
+            "tools": [WEATHER, {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.",
+                                "tools": [WEATHER | {"name": "close_agent"}]},
+                      {"type": "web_search", "external_web_access": False}]}
+    with http.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
+    assert [t["type"] for t in events[-1]["response"]["tools"]] == ["function", "namespace", "web_search"]

@@ -101,10 +101,11 @@ def sse_events(lines) -> list:
 # -- models ----------------------------------------------------------------------------------
 
 
-def test_models_list_has_exactly_the_served_file(client, live_server):
+def test_models_list_has_exactly_the_served_files(client, live_server, minilm_path):
     models = client.models.list()
-    assert [m.id for m in models.data] == [live_server.model_path.stem]
+    assert [m.id for m in models.data] == [live_server.model_path.stem, minilm_path.stem]  # chat model first
     assert models.data[0].object == "model"
+    assert client.models.retrieve(minilm_path.stem).context_length == 512
 
 
 def test_start_up_lines_name_the_url_and_the_kv_cache(live_server):

@@ -1,0 +1,129 @@
+"""OpenAI's `/v1/embeddings` over an embedding model (engine/embedder.py), served beside the
+chat model with `serve --embedding-model MODEL`: `input` as a string, a list of strings, token
+ids or lists of token ids; `encoding_format` float or base64 (little-endian float32, as
+OpenAI sends it); `dimensions` keeps a vector's first N components and scales them back to
+length 1 (meaningful for models trained for it, Matryoshka-style: nomic-embed v1.5,
+Qwen3-Embedding); usage. Pooling and normalization are the model's (its GGUF metadata).
+
+A chat model asked for embeddings is a 400 that names the flag: localllm does not mean-pool a
+chat model's states for you (they make poor embeddings), as vLLM and llama-server don't by
+default. Errors have OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Literal
+
+import numpy as np
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field
+
+from localllm.errors import UsageError
+from localllm.server.core import Server
+from localllm.server.errors import APIError
+from localllm.server.protocol import Int
+
+MAX_INPUTS = 2048  # OpenAI's limit for one request
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    input: str | list[str] | list[Int] | list[list[Int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = Field(default=None, ge=1)
+    user: str | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+class Embeddings:
+    def __init__(self, server: Server, embedder=None):
+        self.server, self.embedder = server, embedder
+        self.names = {embedder.name, embedder.name + ".gguf"} if embedder is not None else set()
+
+    def check_model(self, name: str) -> None:
+        if name in self.names:
+            return
+        if name in self.server.model_names:
+            raise APIError(400, f"'{name}' is a chat model, not an embedding model; start `localllm serve` with "
+                                "--embedding-model MODEL (an embedding GGUF such as all-MiniLM-L6-v2 or "
+                                "nomic-embed-text) and name that model"
+                           + (f" ('{self.embedder.name}')" if self.embedder is not None else ""),
+                           param="model", code="model_not_embedding")
+        served = f"this server embeds with '{self.embedder.name}'" if self.embedder is not None else \
+            "this server has no embedding model (start it with --embedding-model MODEL)"
+        raise APIError(404, f"The model '{name}' does not exist; {served}", param="model", code="model_not_found")
+
+    async def embed(self, req: EmbeddingRequest) -> dict:
+        self.check_model(req.model)
+        embedder = self.embedder
+        inputs = self.token_lists(req.input)
+        if req.dimensions is not None and req.dimensions > embedder.dim:
+            raise APIError(400, f"dimensions {req.dimensions} is more than the {embedder.dim} this model gives",
+                           param="dimensions")
+        try:
+            vectors = await asyncio.to_thread(embedder.embed, inputs)
+        except UsageError as e:
+            raise APIError(400, str(e), param="input") from None
+        data = []
+        for i, vector in enumerate(vectors):
+            v = np.asarray(vector, dtype=np.float32)
+            if req.dimensions is not None and req.dimensions < v.size:
+                v = v[:req.dimensions]
+                v = v / max(float(np.linalg.norm(v)), 1e-12)
+            value = base64.b64encode(v.astype("<f4").tobytes()).decode() if req.encoding_format == "base64" \
+                else v.tolist()
+            data.append(Embedding(index=i, embedding=value))
+        num_tokens = sum(len(ids) for ids in inputs)
+        return EmbeddingList(data=data, model=embedder.name,
+                             usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)).model_dump()
+
+    def token_lists(self, value) -> list[list[int]]:
+        """The request's inputs as token-id lists, each checked: not empty, in the vocabulary."""
+        if isinstance(value, str):
+            value = [value]
+        elif value and isinstance(value[0], int):
+            value = [value]
+        if not value:
+            raise APIError(400, "input is empty; give a string, a list of strings or token ids", param="input")
+        if len(value) > MAX_INPUTS:
+            raise APIError(400, f"{len(value)} inputs in one request, more than {MAX_INPUTS}; send them in parts",
+                           param="input")
+        lists = []
+        for i, item in enumerate(value):
+            ids = self.embedder.tokenize(item) if isinstance(item, str) else list(item)
+            if not ids or (isinstance(item, str) and not item):
+                raise APIError(400, f"input {i} is empty; every input needs some text", param=f"input.{i}")
+            bad = next((t for t in ids if not 0 <= t < self.embedder.n_vocab), None)
+            if bad is not None:
+                raise APIError(400, f"input {i}: token id {bad} is outside the vocabulary of "
+                                    f"{self.embedder.n_vocab}", param=f"input.{i}")
+            lists.append(ids)
+        return lists
+
+
+def add_routes(app: FastAPI, server: Server, embedder=None) -> None:
+    door = Embeddings(server, embedder)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingList)
+    async def embeddings(body: EmbeddingRequest):
+        return await door.embed(body)

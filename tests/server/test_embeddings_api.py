@@ -1,0 +1,86 @@
+"""OpenAI's /v1/embeddings through a real `localllm serve --embedding-model` (all-MiniLM-L6-v2
+beside Qwen2.5-Coder), driven by the official openai client. That the vectors are right
+(cosine >= 0.999 to sentence-transformers' own) is tests/integration/test_embeddings.py's."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+pytestmark = pytest.mark.model
+
+SENTENCES = [f"Sentence number {i} is about {topic}." for i, topic in enumerate(
+    ["cats", "dogs", "the sea", "rust", "python", "tea", "rain", "trains"] * 4)]
+
+
+@pytest.fixture(scope="module")
+def client(live_server) -> openai.OpenAI:
+    with openai.OpenAI(base_url=live_server.base_url, api_key=live_server.api_key, max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(minilm_path) -> str:
+    return minilm_path.stem
+
+
+def vectors(response) -> np.ndarray:
+    return np.array([d.embedding for d in sorted(response.data, key=lambda d: d.index)], dtype=np.float32)
+
+
+def test_float_and_base64_are_the_same_vectors(client, model):
+    floats = client.embeddings.create(model=model, input="The cat sat on the mat.", encoding_format="float")
+    packed = client.embeddings.create(model=model, input="The cat sat on the mat.")  # the SDK asks base64
+    assert floats.model == model and len(floats.data) == 1
+    v = vectors(floats)
+    assert v.shape == (1, 384) and np.allclose(v, vectors(packed), atol=0)
+    assert abs(float(np.linalg.norm(v)) - 1) < 1e-5
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens > 5
+
+
+def test_a_batch_of_32_equals_one_at_a_time(client, model):
+    batch = vectors(client.embeddings.create(model=model, input=SENTENCES, encoding_format="float"))
+    alone = np.concatenate([vectors(client.embeddings.create(model=model, input=s, encoding_format="float"))
+                            for s in SENTENCES])
+    assert batch.shape == (32, 384)
+    assert np.abs(batch - alone).max() < 1e-5
+    same = batch @ batch.T
+    assert same[0, 8] > same[0, 1]  # "cats" twice is nearer than cats and dogs
+
+
+def test_token_ids_and_dimensions(client, http_key, live_server, model):
+    text = client.embeddings.create(model=model, input="hello world", encoding_format="float")
+    r = httpx.post(f"{live_server.base_url}/embeddings", headers=http_key,
+                   json={"model": model, "input": [[101, 7592, 2088, 102]], "encoding_format": "base64"}).json()
+    ids = np.frombuffer(base64.b64decode(r["data"][0]["embedding"]), dtype="<f4")
+    assert np.abs(ids - vectors(text)[0]).max() < 1e-5  # [CLS] hello world [SEP], as the tokenizer gives it
+    short = vectors(client.embeddings.create(model=model, input="hello world", dimensions=128, encoding_format="float"))
+    assert short.shape == (1, 128) and abs(float(np.linalg.norm(short)) - 1) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def http_key(live_server) -> dict:
+    return {"Authorization": f"Bearer {live_server.api_key}"}
+
+
+def test_bad_input_is_an_openai_4xx(client, http_key, live_server, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model=live_server.model_path.stem, input="hi")
+    assert e.value.code == "model_not_embedding" and model in e.value.message and "--embedding-model" in e.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="no-such-model", input="hi")
+    bad = [{"input": []}, {"input": ""}, {"input": ["ok", ""]}, {"input": "word " * 2000},
+           {"input": [[5, 10**7]]}, {"input": "hi", "dimensions": 385}, {"input": "hi", "dimensions": 0},
+           {"input": 5}, {"input": "hi", "encoding_format": "int8"}, {"input": [1.5]}, {"input": "hi", "extra": 1}]
+    for body in bad:
+        r = httpx.post(f"{live_server.base_url}/embeddings", headers=http_key, json={"model": model} | body)
+        assert r.status_code == 400, (body, r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    over = httpx.post(f"{live_server.base_url}/embeddings", headers=http_key,
+                      json={"model": model, "input": "word " * 2000}).json()["error"]["message"]
+    assert "512" in over, over  # names the limit
+    assert httpx.get(f"{live_server.url}/health").json()["status"] == "ok"
