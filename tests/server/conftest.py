@@ -83,3 +83,17 @@ def live_server(qwen_path: Path, minilm_path: Path, tmp_path_factory) -> LiveSer
         process.wait()
         pytest.fail(f"localllm serve did not exit within {STOP_TIMEOUT_S} s of SIGTERM:\n{server.log()[-4000:]}")
     assert code == 0, f"localllm serve exited with {code} on SIGTERM:\n{server.log()[-4000:]}"
+
+
+@pytest.fixture(scope="session")
+def served_model(live_server) -> str:
+    """The chat model's id, as /v1/models lists it (the GGUF file's stem)."""
+    return live_server.model_path.stem
+
+
+@pytest.fixture(scope="session")
+def keyed_http(live_server) -> httpx.Client:
+    """Raw HTTP to the live server, with its key (for what the wire itself shows)."""
+    with httpx.Client(base_url=live_server.url, headers={"Authorization": f"Bearer {live_server.api_key}"},
+                      timeout=120) as c:
+        yield c

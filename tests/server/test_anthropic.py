@@ -24,9 +24,6 @@ def client(live_server) -> anthropic.Anthropic:
         yield c
 
 
-@pytest.fixture(scope="module")
-def model_id(live_server) -> str:
-    return live_server.model_path.stem
 
 
 @pytest.fixture(scope="module")
@@ -46,24 +43,24 @@ def anthropic_error(response: httpx.Response, status: int, kind: str) -> str:
     return body["error"]["message"]
 
 
-def test_create_answers_with_a_text_block_and_usage(client, model_id):
-    message = client.messages.create(model=model_id, max_tokens=16, extra_body=GREEDY, messages=FRANCE,
+def test_create_answers_with_a_text_block_and_usage(client, served_model):
+    message = client.messages.create(model=served_model, max_tokens=16, extra_body=GREEDY, messages=FRANCE,
                                       system=[{"type": "text", "text": "You are terse."}],
                                       metadata={"user_id": "tester"})
-    assert message.type == "message" and message.role == "assistant" and message.model == model_id
+    assert message.type == "message" and message.role == "assistant" and message.model == served_model
     assert message.id.startswith("msg_")
     [block] = message.content
     assert block.type == "text" and "Paris" in block.text
     assert message.stop_reason == "end_turn" and message.stop_sequence is None
-    count = client.messages.count_tokens(model=model_id, messages=FRANCE,
+    count = client.messages.count_tokens(model=served_model, messages=FRANCE,
                                          system=[{"type": "text", "text": "You are terse."}])
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens == count.input_tokens > 10
     assert 1 <= message.usage.output_tokens <= 16
 
 
-def test_stream_gives_the_same_answer_in_anthropic_events(client, http, model_id):
-    plain = client.messages.create(model=model_id, max_tokens=24, extra_body=GREEDY, messages=FRANCE)
-    with client.messages.stream(model=model_id, max_tokens=24, extra_body=GREEDY, messages=FRANCE) as stream:
+def test_stream_gives_the_same_answer_in_anthropic_events(client, http, served_model):
+    plain = client.messages.create(model=served_model, max_tokens=24, extra_body=GREEDY, messages=FRANCE)
+    with client.messages.stream(model=served_model, max_tokens=24, extra_body=GREEDY, messages=FRANCE) as stream:
         pieces = list(stream.text_stream)
         final = stream.get_final_message()
     assert len(pieces) >= 1 and "".join(pieces) == plain.content[0].text == final.content[0].text
@@ -71,7 +68,7 @@ def test_stream_gives_the_same_answer_in_anthropic_events(client, http, model_id
     assert final.usage.output_tokens == plain.usage.output_tokens
 
     # The wire: every event named, in Anthropic's order.
-    body = {"model": model_id, "max_tokens": 24, "temperature": 0, "messages": FRANCE, "stream": True}
+    body = {"model": served_model, "max_tokens": 24, "temperature": 0, "messages": FRANCE, "stream": True}
     with http.stream("POST", "/v1/messages", json=body) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -86,9 +83,9 @@ def test_stream_gives_the_same_answer_in_anthropic_events(client, http, model_id
     assert "".join(p["delta"]["text"] for p in payloads[3:-3]) == plain.content[0].text
 
 
-def test_tool_round_trip(client, model_id):
+def test_tool_round_trip(client, served_model):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    first = client.messages.create(model=model_id, max_tokens=60, extra_body=GREEDY, messages=messages,
+    first = client.messages.create(model=served_model, max_tokens=60, extra_body=GREEDY, messages=messages,
                                    tools=[WEATHER_TOOL], tool_choice={"type": "any"})
     assert first.stop_reason == "tool_use"
     [call] = [b for b in first.content if b.type == "tool_use"]
@@ -98,15 +95,15 @@ def test_tool_round_trip(client, model_id):
     messages += [{"role": "assistant", "content": first.content},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
                                                "content": json.dumps({"temp_c": 21, "sky": "sunny"})}]}]
-    answer = client.messages.create(model=model_id, max_tokens=60, extra_body=GREEDY, messages=messages,
+    answer = client.messages.create(model=served_model, max_tokens=60, extra_body=GREEDY, messages=messages,
                                     tools=[WEATHER_TOOL])
     assert answer.stop_reason in ("end_turn", "max_tokens")
     text = "".join(b.text for b in answer.content if b.type == "text")
     assert "21" in text or "sunny" in text.lower(), text
 
 
-def test_streamed_tool_use_arrives_as_input_json(client, model_id):
-    with client.messages.stream(model=model_id, max_tokens=60, extra_body=GREEDY, tools=[WEATHER_TOOL],
+def test_streamed_tool_use_arrives_as_input_json(client, served_model):
+    with client.messages.stream(model=served_model, max_tokens=60, extra_body=GREEDY, tools=[WEATHER_TOOL],
                                 tool_choice={"type": "tool", "name": "get_weather"},
                                 messages=[{"role": "user", "content": "Weather in Oslo?"}]) as stream:
         final = stream.get_final_message()
@@ -115,24 +112,24 @@ def test_streamed_tool_use_arrives_as_input_json(client, model_id):
     assert call.name == "get_weather" and isinstance(call.input["city"], str)
 
 
-def test_max_tokens_and_stop_sequences_end_the_answer(client, model_id):
-    cut = client.messages.create(model=model_id, max_tokens=3, extra_body=GREEDY,
+def test_max_tokens_and_stop_sequences_end_the_answer(client, served_model):
+    cut = client.messages.create(model=served_model, max_tokens=3, extra_body=GREEDY,
                                  messages=[{"role": "user", "content": "Count from 1 to 20, one per line."}])
     assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 3
-    stopped = client.messages.create(model=model_id, max_tokens=60, extra_body=GREEDY, stop_sequences=["5"],
+    stopped = client.messages.create(model=served_model, max_tokens=60, extra_body=GREEDY, stop_sequences=["5"],
                                      messages=[{"role": "user", "content": "Count from 1 to 20, one per line."}])
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "5"
     assert "5" not in stopped.content[0].text and "4" in stopped.content[0].text
 
 
-def test_errors_are_anthropic_errors(client, http, model_id, live_server):
+def test_errors_are_anthropic_errors(client, http, served_model, live_server):
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="no-such-model", max_tokens=4, messages=FRANCE)
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=live_server.url, api_key="sk-wrong", max_retries=0).messages.create(
-            model=model_id, max_tokens=4, messages=FRANCE)
+            model=served_model, max_tokens=4, messages=FRANCE)
     with pytest.raises(anthropic.BadRequestError) as e:
-        client.messages.create(model=model_id, max_tokens=0, messages=FRANCE)
+        client.messages.create(model=served_model, max_tokens=0, messages=FRANCE)
     assert e.value.body["error"]["type"] == "invalid_request_error"
 
     bad = {
@@ -151,7 +148,7 @@ def test_errors_are_anthropic_errors(client, http, model_id, live_server):
         "named tool without a name": {"messages": FRANCE, "tools": [WEATHER_TOOL], "tool_choice": {"type": "tool"}},
     }
     for what, body in bad.items():
-        body = {"model": model_id, "max_tokens": 8} | body
+        body = {"model": served_model, "max_tokens": 8} | body
         if what == "max_tokens":
             body.pop("max_tokens")
         message = anthropic_error(http.post("/v1/messages", json=body), 400, "invalid_request_error")
@@ -162,10 +159,10 @@ def test_errors_are_anthropic_errors(client, http, model_id, live_server):
         if what == "tool_result for no tool_use":
             assert "toolu_nope" in message
     anthropic_error(http.post("/v1/messages", content=b"{not json"), 400, "invalid_request_error")
-    anthropic_error(http.post("/v1/messages/count_tokens", json={"model": model_id}), 400, "invalid_request_error")
+    anthropic_error(http.post("/v1/messages/count_tokens", json={"model": served_model}), 400, "invalid_request_error")
     anthropic_error(http.get("/v1/messages"), 405, "invalid_request_error")
     long = [{"role": "user", "content": "hello " * 5000}]
-    message = anthropic_error(http.post("/v1/messages", json={"model": model_id, "max_tokens": 8, "messages": long}),
+    message = anthropic_error(http.post("/v1/messages", json={"model": served_model, "max_tokens": 8, "messages": long}),
                               400, "invalid_request_error")
     assert "maximum context length is 4096 tokens" in message
     # Still healthy, and the OpenAI door still answers in OpenAI's shape.
@@ -173,11 +170,11 @@ def test_errors_are_anthropic_errors(client, http, model_id, live_server):
     assert set(http.post("/v1/chat/completions", json={}).json()) == {"error"}
 
 
-def test_a_request_shaped_as_claude_code_sends_it(http, model_id):
+def test_a_request_shaped_as_claude_code_sends_it(http, served_model):
     """Claude Code (2.1) sends a system message in the middle of the conversation, asks 32,000
     tokens of any model, and adds fields of its own: all are taken; the answer's length is
     capped by the context (4,096 here), as Ollama caps it."""
-    body = {"model": model_id, "max_tokens": 32000, "stream": True, "temperature": 0,
+    body = {"model": served_model, "max_tokens": 32000, "stream": True, "temperature": 0,
             "system": [{"type": "text", "text": "You are a CLI assistant.", "cache_control": {"type": "ephemeral"}}],
             "messages": [{"role": "user", "content": [
                              {"type": "text", "text": "<system-reminder>Today is 2026-12-03.</system-reminder>"},

@@ -52,22 +52,18 @@ def test_a_batch_of_32_equals_one_at_a_time(client, model):
     assert same[0, 8] > same[0, 1]  # "cats" twice is nearer than cats and dogs
 
 
-def test_token_ids_and_dimensions(client, http_key, live_server, model):
+def test_token_ids_and_dimensions(client, keyed_http, live_server, model):
     text = client.embeddings.create(model=model, input="hello world", encoding_format="float")
-    r = httpx.post(f"{live_server.base_url}/embeddings", headers=http_key,
-                   json={"model": model, "input": [[101, 7592, 2088, 102]], "encoding_format": "base64"}).json()
+    r = keyed_http.post("/v1/embeddings", json={"model": model, "input": [[101, 7592, 2088, 102]], "encoding_format": "base64"}).json()
     ids = np.frombuffer(base64.b64decode(r["data"][0]["embedding"]), dtype="<f4")
     assert np.abs(ids - vectors(text)[0]).max() < 1e-5  # [CLS] hello world [SEP], as the tokenizer gives it
     short = vectors(client.embeddings.create(model=model, input="hello world", dimensions=128, encoding_format="float"))
     assert short.shape == (1, 128) and abs(float(np.linalg.norm(short)) - 1) < 1e-5
 
 
-@pytest.fixture(scope="module")
-def http_key(live_server) -> dict:
-    return {"Authorization": f"Bearer {live_server.api_key}"}
 
 
-def test_bad_input_is_an_openai_4xx(client, http_key, live_server, model):
+def test_bad_input_is_an_openai_4xx(client, keyed_http, live_server, model):
     with pytest.raises(openai.BadRequestError) as e:
         client.embeddings.create(model=live_server.model_path.stem, input="hi")
     assert e.value.code == "model_not_embedding" and model in e.value.message and "--embedding-model" in e.value.message
@@ -77,10 +73,9 @@ def test_bad_input_is_an_openai_4xx(client, http_key, live_server, model):
            {"input": [[5, 10**7]]}, {"input": "hi", "dimensions": 385}, {"input": "hi", "dimensions": 0},
            {"input": 5}, {"input": "hi", "encoding_format": "int8"}, {"input": [1.5]}, {"input": "hi", "extra": 1}]
     for body in bad:
-        r = httpx.post(f"{live_server.base_url}/embeddings", headers=http_key, json={"model": model} | body)
+        r = keyed_http.post("/v1/embeddings", json={"model": model} | body)
         assert r.status_code == 400, (body, r.text)
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-    over = httpx.post(f"{live_server.base_url}/embeddings", headers=http_key,
-                      json={"model": model, "input": "word " * 2000}).json()["error"]["message"]
+    over = keyed_http.post("/v1/embeddings", json={"model": model, "input": "word " * 2000}).json()["error"]["message"]
     assert "512" in over, over  # names the limit
     assert httpx.get(f"{live_server.url}/health").json()["status"] == "ok"
