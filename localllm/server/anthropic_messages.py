@@ -1,7 +1,7 @@
 """Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`) over the shared request
 path (core.Server), as Claude Code and the `anthropic` SDK speak it: its request and response
-shapes, its named-event stream, its errors (errors.py gives every error under /v1/messages
-Anthropic's shape).
+shapes (anthropic_protocol.py), its named-event stream, its errors (errors.py gives every error
+under /v1/messages Anthropic's shape).
 
 Requests are strict as Anthropic's are: an unknown top-level field or block type is a 400, as
 is a wrong type anywhere (fields a newer client adds inside a block or a tool are ignored).
@@ -17,121 +17,16 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 from localllm.errors import LocalLLMError
 from localllm.reasoning import Answer
 from localllm.server.core import Choice, Server, ToolCall, json_or_text, sse
+from localllm.server.anthropic_protocol import (CountTokensRequest, MessageOut, MessagesRequest, TextOut, ThinkingOut,
+                                                TokenCount, ToolResultBlock, ToolUseOut, Usage)
 from localllm.server.errors import APIError, error_body
-from localllm.server.protocol import Int
-
-# -- requests --------------------------------------------------------------------------------
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class _Part(BaseModel):
-    """A block or a tool: its type is checked, its known fields are typed, and fields that
-    Anthropic's API adds later are ignored, so a newer client still works."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-CacheControl = dict[str, Any] | None  # prompt-caching hints: accepted; the prefix cache caches anyway
-
-
-class TextBlock(_Part):
-    type: Literal["text"]
-    text: str
-    cache_control: CacheControl = None
-
-
-class MediaBlock(_Part):
-    type: Literal["image", "document"]  # a 400: the model reads text only
-    source: dict[str, Any]
-
-
-class ToolUseBlock(_Part):
-    type: Literal["tool_use"]
-    id: str
-    name: str
-    input: dict[str, Any]
-
-
-class ToolResultBlock(_Part):
-    type: Literal["tool_result"]
-    tool_use_id: str
-    content: str | list[Annotated[TextBlock | MediaBlock, Field(discriminator="type")]] | None = None
-    is_error: bool | None = None
-
-
-class ThinkingBlock(_Part):
-    """An earlier turn's reasoning: left out of the prompt, as thinking templates leave it."""
-
-    type: Literal["thinking", "redacted_thinking"]
-    thinking: str | None = None
-    signature: str | None = None
-    data: str | None = None
-
-
-Block = Annotated[TextBlock | MediaBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
-
-
-class Message(_Request):
-    role: Literal["user", "assistant", "system"]  # system: Claude Code's mid-conversation system text
-    content: str | list[Block]
-
-
-class Tool(_Part):
-    name: str = Field(min_length=1, max_length=128)
-    description: str | None = None
-    input_schema: dict[str, Any]
-    type: Literal["custom"] | None = None
-
-
-class ToolChoice(_Request):
-    type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None
-    disable_parallel_tool_use: bool | None = None
-
-
-class Thinking(_Request):
-    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: Int | None = Field(default=None, ge=1)
-    display: Literal["summarized", "omitted"] | None = None
-
-
-class OutputFormat(_Request):
-    type: Literal["json_schema"]
-    schema_: dict[str, Any] = Field(alias="schema")
-
-
-class OutputConfig(_Request):
-    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
-    format: OutputFormat | None = None
-
-
-class Metadata(_Request):
-    user_id: str | None = None
-
-
-class CountTokensRequest(_Request):
-    model: str
-    messages: list[Message] = Field(min_length=1)
-    system: str | list[TextBlock] | None = None
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
-    thinking: Thinking | None = None
-    output_config: OutputConfig | None = None
-    cache_control: CacheControl = None
-    speed: Literal["standard", "fast"] | None = None
-    context_management: dict[str, Any] | None = None  # Claude Code's: the context here is not edited
 
 
 def _text_of(content: str | list, where: str) -> str:
@@ -140,69 +35,6 @@ def _text_of(content: str | list, where: str) -> str:
     if any(b.type != "text" for b in content):
         raise APIError(400, f"{where}: a system message holds text blocks only", param=where)
     return "".join(b.text for b in content)
-
-
-class MessagesRequest(CountTokensRequest):
-    """What the anthropic SDK (2.16) sends, and the sampling values its older versions and
-    Claude Code send; the fields of Anthropic's hosted service (container, diagnostics,
-    inference_geo, service_tier, workspace_id, user_profile_id) are accepted and mean nothing here."""
-
-    max_tokens: Int = Field(ge=1)
-    stop_sequences: list[str] | None = Field(default=None, max_length=16)
-    stream: bool = False
-    temperature: float | None = Field(default=None, ge=0, le=1)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: Int | None = Field(default=None, ge=0)
-    metadata: Metadata | None = None
-    container: str | dict[str, Any] | None = None
-    diagnostics: dict[str, Any] | None = None
-    inference_geo: str | None = None
-    service_tier: Literal["auto", "standard_only"] | None = None
-    user_profile_id: str | None = None
-    workspace_id: str | None = None
-
-
-# -- responses -------------------------------------------------------------------------------
-
-
-class Usage(BaseModel):
-    input_tokens: int  # prompt tokens computed for this request (Anthropic's sense: cache reads apart)
-    output_tokens: int
-    cache_read_input_tokens: int = 0  # prompt tokens the prefix cache gave
-    cache_creation_input_tokens: int = 0
-
-
-class TextOut(BaseModel):
-    type: Literal["text"] = "text"
-    text: str
-
-
-class ThinkingOut(BaseModel):
-    type: Literal["thinking"] = "thinking"
-    thinking: str
-    signature: str = ""  # nothing to sign: the reasoning never leaves this machine
-
-
-class ToolUseOut(BaseModel):
-    type: Literal["tool_use"] = "tool_use"
-    id: str
-    name: str
-    input: dict[str, Any]
-
-
-class MessageOut(BaseModel):
-    id: str
-    type: Literal["message"] = "message"
-    role: Literal["assistant"] = "assistant"
-    model: str
-    content: list[Annotated[ThinkingOut | TextOut | ToolUseOut, Field(discriminator="type")]]
-    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
-    stop_sequence: str | None
-    usage: Usage
-
-
-class TokenCount(BaseModel):
-    input_tokens: int
 
 
 def new_id(prefix: str) -> str:
