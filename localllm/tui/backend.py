@@ -39,7 +39,6 @@ class Chunk:
     it took; at the end, why it ended."""
 
     text: str = ""
-    reasoning: str = ""
     num_tokens: int = 0
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
@@ -47,6 +46,7 @@ class Chunk:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_draft_proposed: int | None = None  # prompt-lookup drafts of the answer (local, at the end)
     num_draft_accepted: int | None = None
+    reasoning: str = ""  # a thinking model's reasoning, never in text
 
 
 @dataclass
