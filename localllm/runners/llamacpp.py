@@ -163,6 +163,16 @@ def _load_model(path: Path, n_gpu_layers: int):
     return model, mparams.n_gpu_layers, bool(mparams.use_extra_bufts)
 
 
+def _free(holder) -> None:
+    """Free a holder's llama.cpp context, then its model (each once; closing twice is safe)."""
+    if getattr(holder, "ctx", None):
+        L.llama_free(holder.ctx)
+        holder.ctx = None
+    if getattr(holder, "model", None):
+        L.llama_model_free(holder.model)
+        holder.model = None
+
+
 class _NumpyBatch:
     """A llama_batch of up to n tokens whose arrays are numpy buffers, so a step fills them
     without a Python loop over tokens; every token in one sequence (seq_ids)."""
@@ -765,12 +775,7 @@ class LlamaCppRunner:
         return len(self._holders)
 
     def close(self) -> None:
-        if getattr(self, "ctx", None):
-            L.llama_free(self.ctx)
-            self.ctx = None
-        if getattr(self, "model", None):
-            L.llama_model_free(self.model)
-            self.model = None
+        _free(self)
 
 
 # -- embedding models ----------------------------------------------------------------------
@@ -848,9 +853,4 @@ class LlamaEmbeddingModel:
         return out
 
     def close(self) -> None:
-        if getattr(self, "ctx", None):
-            L.llama_free(self.ctx)
-            self.ctx = None
-        if getattr(self, "model", None):
-            L.llama_model_free(self.model)
-            self.model = None
+        _free(self)
