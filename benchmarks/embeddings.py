@@ -2,6 +2,7 @@
 sentence-transformers (torch, the same model's safetensors), same CPU threads, side by side
 (A B C A B C ...), at batch 1 and batch 32.
 
+    pip install -e '.[bench]'   # sentence-transformers
     python benchmarks/embeddings.py [--rounds 5] [--threads 2]
 
 Sentences/s counts tokenization and the returned vectors on both sides. Arm C is the Embedder

@@ -40,12 +40,6 @@ def minilm_path() -> Path:
     return _model("all-minilm-l6-v2")
 
 
-@pytest.fixture(scope="session")
-def minilm_dir(minilm_path) -> Path:
-    """The safetensors folder minilm_path was converted from, for sentence-transformers."""
-    return test_models.source_dir("all-minilm-l6-v2")
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _own_cache_folder(tmp_path_factory):
     """Every test, and every `localllm` process a test starts, keeps its prefix cache and its

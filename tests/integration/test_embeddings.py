@@ -1,11 +1,14 @@
 """The Embedder on a real embedding model (all-MiniLM-L6-v2, f16 GGUF), checked against
-sentence-transformers on the safetensors folder it was converted from; and on a tiny random
-decoder with last-token pooling (the shape of Qwen3-Embedding)."""
+sentence-transformers on the safetensors folder it was converted from (its vectors stored once
+in tests/data/minilm_reference.json); and on a tiny random decoder with last-token pooling (the
+shape of Qwen3-Embedding)."""
 
 from __future__ import annotations
 
+import json
 import random
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -48,16 +51,16 @@ def embedder(minilm_path):
     e.close()
 
 
+REFERENCE = Path(__file__).resolve().parent.parent / "data" / "minilm_reference.json"
+
+
 @pytest.fixture(scope="module")
-def reference(minilm_dir):
-    """sentence-transformers' own vectors and token ids of SENTENCES."""
-    torch = pytest.importorskip("torch")
-    st = pytest.importorskip("sentence_transformers")
-    torch.set_num_threads(2)
-    model = st.SentenceTransformer(str(minilm_dir), device="cpu")
-    vectors = model.encode(SENTENCES, batch_size=len(SENTENCES), convert_to_numpy=True)
-    token_ids = [model.tokenizer(s)["input_ids"] for s in SENTENCES]
-    return vectors, token_ids
+def reference():
+    """sentence-transformers' own vectors (20, 384) and token ids of SENTENCES, computed once
+    from the safetensors folder the GGUF was converted from (scripts/minilm_reference.py)."""
+    data = json.loads(REFERENCE.read_text())
+    assert data["sentences"] == SENTENCES, "the sentences changed: run scripts/minilm_reference.py"
+    return np.array(data["vectors"], dtype=np.float32), data["token_ids"]
 
 
 @pytest.mark.model
