@@ -19,6 +19,15 @@ class UsageError(LocalLLMError):
     exit_code = 2
 
 
+class ParameterError(UsageError):
+    """A request's parameter has a value the engine cannot take; ``param`` names it (a door
+    puts it in its error, as OpenAI's ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class ModelLoadError(LocalLLMError):
     """A model file is missing, is not GGUF, is truncated, or llama.cpp refused it."""
 
@@ -35,6 +44,12 @@ class TemplateError(LocalLLMError):
     """The model's chat template is missing, or threw while rendering (it is untrusted code)."""
 
     exit_code = 2
+
+
+class NoChatTemplateError(TemplateError):
+    """The model has no chat template at all. Its message names no command or flag: each door
+    adds what its caller can do instead (the CLI: run without --chat; the server: send a plain
+    prompt to /v1/completions)."""
 
 
 class EngineError(LocalLLMError):

@@ -149,6 +149,7 @@ class LLMEngine:
                 raise UsageError(f"token id {bad[0]!r} is outside the vocabulary of {self.runner.vocab.n_vocab}")
         if not token_ids:
             raise UsageError("the prompt is empty; give at least one token of text")
+        params.check_vocab(self.runner.vocab.n_vocab)
         if request_id is not None and request_id in self._seqs:
             raise UsageError(f"request id {request_id!r} is already in use")
         seq = Sequence(prompt_token_ids=token_ids, params=params, request_id=request_id or "")
@@ -166,6 +167,11 @@ class LLMEngine:
             self.runner.vocab.token_to_piece, params.stop
         )
         return seq
+
+    def check_grammar(self, gbnf: str) -> None:
+        """Raise UsageError when the runner cannot parse ``gbnf`` (a door's early check, so a bad
+        grammar is the request's 400 before any answer starts)."""
+        self.runner.make_constraint(gbnf).free()
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its blocks go back at once. None if it is not known."""
@@ -556,6 +562,7 @@ class _StoredPrefixes:
 
 def _can_draft(params: SamplingParams) -> bool:
     """Drafts can be checked for requests whose every row's distribution is known from the
-    logits alone: none of the penalties that depend on the tokens before it, no logprobs."""
+    logits alone: none of the penalties that depend on the tokens before it, no logprobs. A
+    logit bias is the same at every position and Sampler.verify applies it to every row."""
     return (params.repetition_penalty == 1.0 and params.frequency_penalty == 0
             and params.presence_penalty == 0 and not params.logprobs and params.grammar is None)

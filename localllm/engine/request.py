@@ -6,9 +6,13 @@ import enum
 import itertools
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
-from localllm.errors import UsageError
+import numpy as np
+
+from localllm.errors import ParameterError
 
 
 class SequenceStatus(enum.Enum):
@@ -27,7 +31,8 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token. Validated once here; bad values raise UsageError."""
+    """How to pick each next token. Validated once here; a bad value raises ParameterError (a
+    UsageError that names the parameter)."""
 
     max_tokens: int = 256
     temperature: float = 0.8
@@ -48,10 +53,15 @@ class SamplingParams:
     # Prompt-lookup drafting: None follows the engine (drafts where it pays), True drafts at
     # every step where the prompt offers a match, False never.
     speculative: bool | None = None
+    # OpenAI's logit_bias: token id -> a value in [-100, 100] added to that token's logit
+    # before sampling (-100 in effect bans it, +100 in effect forces it). Given as a mapping
+    # whose keys are ids or, as JSON has them, ids in decimal text ({"1234": -100}); kept as
+    # (id, bias) pairs in id order.
+    logit_bias: Mapping[int | str, float] | tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        def bad(name: str, value: object, want: str) -> UsageError:
-            return UsageError(f"{name}={value!r} is invalid: {want}")
+        def bad(name: str, value: object, want: str) -> ParameterError:
+            return ParameterError(name, f"{name}={value!r} is invalid: {want}")
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", self.max_tokens, "use a whole number of 1 or more")
@@ -81,6 +91,22 @@ class SamplingParams:
             raise bad("stop", self.stop, "stop strings must be non-empty text")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
             raise bad("grammar", self.grammar, "give GBNF text with a root rule, or leave it out")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+
+    def check_vocab(self, n_vocab: int) -> None:
+        """Raise ParameterError when logit_bias names a token outside a vocabulary of n_vocab."""
+        for token_id, _ in self.logit_bias:
+            if token_id >= n_vocab:
+                raise ParameterError("logit_bias", f"logit_bias names token id {token_id}, outside the "
+                                                   f"vocabulary of {n_vocab} (ids 0..{n_vocab - 1})")
+
+    @cached_property
+    def bias_arrays(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """logit_bias as (ids (k,) intp, values (k,) float32) for the sampler; None when empty."""
+        if not self.logit_bias:
+            return None
+        ids, values = zip(*self.logit_bias)
+        return np.array(ids, dtype=np.intp), np.array(values, dtype=np.float32)
 
     @property
     def is_greedy(self) -> bool:
@@ -90,6 +116,33 @@ class SamplingParams:
 
 
 GREEDY_BELOW = 1e-6
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value, either way
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, value) pairs in id order, every key and value checked."""
+    if isinstance(bias, tuple):
+        items = bias
+    elif isinstance(bias, Mapping):
+        items = tuple(bias.items())
+    else:
+        raise ParameterError("logit_bias", f"logit_bias={bias!r} is invalid: give an object of token ids "
+                                           'to values in [-100, 100], such as {"1234": -100}')
+    pairs = {}
+    for key, value in items:
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            token_id = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+            token_id = key
+        else:
+            raise ParameterError("logit_bias", f"logit_bias key {key!r} is not a token id: the keys are token "
+                                               'ids in decimal, such as "1234" (see POST /tokenize)')
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise ParameterError("logit_bias", f"logit_bias value {value!r} for token {token_id} is invalid: "
+                                               "use a number in [-100, 100]")
+        pairs[token_id] = float(value)
+    return tuple(sorted(pairs.items()))
 
 
 _seq_counter = itertools.count()

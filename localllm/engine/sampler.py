@@ -1,7 +1,7 @@
 """The Sampler: picks each sequence's next token from the model's logits.
 
-Penalties first, then greedy argmax at temperature 0, else a draw after temperature, top_k,
-top_p and min_p, from one seeded RNG per sequence. The whole vocabulary is never sorted on
+The logit bias and the penalties first, then greedy argmax at temperature 0, else a draw after
+temperature, top_k, top_p and min_p, from one seeded RNG per sequence. The whole vocabulary is never sorted on
 the common path: ranking uses a partition of the best ``num_candidates`` tokens, and falls
 back to a full sort only when those hold less than top_p of the probability.
 """
@@ -20,19 +20,26 @@ _BLOCK = 1024  # tokens per block of the two-level inverse CDF in _pick
 
 
 def apply_penalties(seq: Sequence, logits: np.ndarray) -> np.ndarray:
-    """seq's penalties applied to logits (vocab,): a float32 copy, or logits itself when none is set.
+    """seq's logit bias, then its penalties, applied to logits (vocab,): a float32 copy, or
+    logits itself when none is set.
 
-    repetition_penalty (llama.cpp / HF) acts once per distinct token of prompt + output:
-    a positive logit is divided by it, a negative one multiplied. frequency_penalty and
-    presence_penalty (OpenAI) act on the output only: logit -= count * frequency + presence.
+    logit_bias (OpenAI) adds its value to its tokens' logits, before the penalties as llama.cpp
+    and vLLM apply it (a token the grammar masked stays -inf). repetition_penalty (llama.cpp /
+    HF) acts once per distinct token of prompt + output: a positive logit is divided by it, a
+    negative one multiplied. frequency_penalty and presence_penalty (OpenAI) act on the output
+    only: logit -= count * frequency + presence.
     """
     params = seq.params
+    bias = params.bias_arrays
     use_repetition = params.repetition_penalty != 1.0
     use_frequency = bool(seq.output_token_ids) and (
         params.frequency_penalty != 0.0 or params.presence_penalty != 0.0)
-    if not (use_repetition or use_frequency):
+    if not (bias is not None or use_repetition or use_frequency):
         return logits
     scores = np.array(logits, dtype=np.float32)  # (vocab,) a copy: logits may be read-only C memory
+    if bias is not None:
+        ids, values = bias  # (k,) distinct ids, (k,)
+        scores[ids] += values
     if use_repetition:
         # Repeated ids need no np.unique: every copy reads the unpenalized logit and writes
         # the same value, so each distinct token is penalized exactly once.
@@ -57,8 +64,8 @@ class Sampler:
     def sample(self, seq: Sequence, logits: np.ndarray) -> tuple[int, float | None]:
         """(token_id, logprob) for seq's next token, from logits (vocab,) float32, left unmodified.
 
-        logprob is log_softmax of the raw logits at the token (the model's own, before
-        penalties and temperature) when seq.params.logprobs is set, else None.
+        logprob is log_softmax of the raw logits at the token (the model's own, before the
+        logit bias, penalties and temperature) when seq.params.logprobs is set, else None.
         """
         params = seq.params
         scores = apply_penalties(seq, logits)  # (vocab,)
@@ -78,7 +85,8 @@ class Sampler:
         vocab): row i is the model's logits after the draft's first i tokens. Each row gives
         the token ``sample`` would (spec_decode.verify): the same argmax, or the same draw from
         seq's own RNG. seq has no penalties (the engine drafts for none), so a row's
-        distribution does not depend on the drafts before it."""
+        distribution does not depend on the drafts before it; its logit bias is the same at
+        every position, and ``sample`` applies it to each row as to an undrafted step."""
         return verify(draft, lambda i: self.sample(seq, rows[i])[0])
 
     def free(self, seq_id: int) -> None:

@@ -175,6 +175,18 @@ def test_stops_and_limits_inside_an_accepted_run_end_at_the_right_token(engine):
     assert not eos or full[-1] == eos[0]  # EOS ends the run like any decode step
 
 
+def test_a_logit_bias_holds_in_drafted_runs(engine):
+    """Drafts copy the prompt, banned token and all: verify applies the bias to every row, so the
+    banned token is never emitted, and the drafts around it are still accepted."""
+    prompt = chat(engine, f"Repeat this text exactly:\n\n{QUOTE}")
+    [times] = engine.tokenizer.encode(" times", add_special=False)
+    [(plain, _, _)] = generate(engine, [prompt], False, temperature=0.0, max_tokens=24)
+    assert times in plain
+    [(banned, m, _)] = generate(engine, [prompt], True, temperature=0.0, max_tokens=24, logit_bias={times: -100})
+    assert times not in banned and banned[:5] == plain[:5]  # "It was the best of" and then not " times"
+    assert m.num_draft_accepted > 5
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("runner", runner_names())
 def test_sampling_with_drafts_keeps_the_models_distribution(engines, qwen_path, runner, full):

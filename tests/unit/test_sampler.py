@@ -9,7 +9,7 @@ import pytest
 
 from localllm.engine.request import SamplingParams, Sequence
 from localllm.engine.sampler import Sampler, _search, apply_penalties
-from localllm.errors import UsageError
+from localllm.errors import ParameterError, UsageError
 
 
 def make_seq(prompt: list[int] | None = None, output: list[int] | None = None, **params) -> Sequence:
@@ -100,6 +100,69 @@ def test_presence_penalty_moves_the_argmax_at_the_exact_margin(presence, token):
     logits = np.array([1.0, 2.0, -5.0], dtype=np.float32)
     seq = make_seq(output=[1], temperature=0.0, presence_penalty=presence)
     assert Sampler().sample(seq, logits)[0] == token  # 2.0 - 1.0 ties 1.0: the lowest id wins
+
+
+# --- logit bias -----------------------------------------------------------------------
+
+
+def test_logit_bias_adds_its_values_before_the_penalties():
+    logits = np.array([3.0, -1.0, 2.5, -2.0, 0.5], dtype=np.float32)
+    seq = make_seq(prompt=[0], output=[4], logit_bias={"1": 2.0, 3: -100}, repetition_penalty=2.0,
+                   presence_penalty=0.5)
+    # 1: -1 + 2 = 1 (not repeated); 0: 3 / 2 (repeated); 4: (0.5 / 2) - 0.5 (repeated, in the output)
+    expected = np.array([1.5, 1.0, 2.5, -102.0, -0.25], dtype=np.float32)
+    np.testing.assert_array_equal(apply_penalties(seq, logits), expected)
+    assert seq.params.logit_bias == ((1, 2.0), (3, -100.0))
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=1.0, seed=3),
+                                    dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=4)])
+def test_logit_bias_of_minus_100_bans_and_plus_100_forces_a_token(params):
+    logits = random_logits(5000, 0, scale=5.0)  # (vocab,) a spread as wide as a real model's
+    best = int(np.argmax(logits))
+    banned, sampler = make_seq(logit_bias={str(best): -100}, **params), Sampler()
+    assert best not in draw(sampler, banned, logits, 200)
+    forced = make_seq(logit_bias={"17": 100}, **params)
+    assert set(draw(sampler, forced, logits, 50)) == {17}
+    # the logprob stays the model's own, before the bias
+    with_logprobs = make_seq(logit_bias={"17": 100}, logprobs=True, **params)
+    assert sampler.sample(with_logprobs, logits)[1] == pytest.approx(log_softmax(logits)[17], abs=1e-5)
+
+
+def test_logit_bias_composes_with_a_grammar_mask():
+    """A token the grammar masked (-inf) stays masked whatever its bias; among the allowed
+    ones the bias moves the pick."""
+    logits = np.array([5.0, -np.inf, 1.0, -np.inf], dtype=np.float32)
+    seq = make_seq(temperature=0.0, logit_bias={"1": 100, "2": 10})
+    assert Sampler().sample(seq, logits)[0] == 2
+
+
+def test_verify_applies_the_logit_bias_to_every_row_as_plain_sampling_does():
+    rows = np.stack([random_logits(30, seed=s, scale=1.0) for s in range(4)])  # (4, 30)
+    params = dict(temperature=0.0, logit_bias={str(int(np.argmax(rows[1]))): -100, "29": 3.0})
+    plain = [Sampler().sample(make_seq(**params), row)[0] for row in rows]
+    assert Sampler().verify(make_seq(**params), plain[:3], rows) == (plain, 3)
+
+
+@pytest.mark.parametrize("bias, message", [
+    ({"abc": 1}, "key 'abc' is not a token id"), ({"-5": 1}, "key '-5' is not a token id"),
+    ({" 5": 1}, "not a token id"), ({True: 1}, "not a token id"),
+    ({"5": 101}, r"value 101 for token 5 is invalid: use a number in \[-100, 100\]"),
+    ({"5": -100.5}, "invalid"), ({"5": float("nan")}, "invalid"), ({"5": "1"}, "invalid"),
+    ([("5", 1)], "give an object of token ids"),
+])
+def test_logit_bias_keys_and_values_are_validated(bias, message):
+    with pytest.raises(ParameterError, match=message) as e:
+        SamplingParams(logit_bias=bias)
+    assert e.value.param == "logit_bias"
+
+
+def test_logit_bias_ids_are_checked_against_the_vocabulary():
+    params = SamplingParams(logit_bias={"99": 1.0})
+    params.check_vocab(100)
+    with pytest.raises(ParameterError, match="token id 100, outside the vocabulary of 100") as e:
+        SamplingParams(logit_bias={"100": 1.0}).check_vocab(100)
+    assert e.value.param == "logit_bias"
 
 
 # --- top_k / top_p / min_p ------------------------------------------------------------
