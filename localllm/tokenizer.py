@@ -17,7 +17,7 @@ from jinja2.exceptions import SecurityError, TemplateSyntaxError
 
 from localllm import chat_template
 from localllm.chat_template import SandboxEnvironment, TemplateLimitError
-from localllm.errors import TemplateError, UsageError
+from localllm.errors import NoChatTemplateError, TemplateError, UsageError
 
 
 class Vocab(Protocol):
@@ -43,6 +43,10 @@ class Vocab(Protocol):
     # Optional: the texts of user-defined tokens, which the tokenizer matches even in plain
     # text (Qwen's <tool_call>); see Tokenizer._plain.
     # def user_defined_texts(self) -> tuple[str, ...]: ...
+
+    # Optional: a token's text with control tokens' own text (b"<|im_end|>", where
+    # token_to_piece gives b""); see Tokenizer.piece.
+    # def special_piece(self, token_id: int) -> bytes: ...
 
 
 # A span of rendered chat text and whether it came from a message's content (never parsed
@@ -141,8 +145,20 @@ class Tokenizer:
             context = context[len(context) - min(len(context), room):] if room > 0 else []
         return [*context, *bos, v.fim_pre_id, *pre, *mid, v.fim_suf_id, *suf, v.fim_mid_id]
 
+    def encode_special(self, text: str, add_special: bool = False) -> list[int]:
+        """Text with control-token text in it read as those tokens (``<|im_start|>`` is one
+        token), as llama-server's /tokenize reads it by default. Never a prompt's path: a plain
+        prompt goes through ``encode``."""
+        return self._vocab.tokenize(_utf8(text, "the content"), add_special, True)
+
     def decode(self, ids: Sequence[int]) -> str:
         return b"".join(map(self._vocab.token_to_piece, ids)).decode("utf-8", errors="replace")
+
+    def piece(self, token_id: int, special: bool = False) -> bytes:
+        """A token's own bytes from the vocabulary: part of a UTF-8 character for some tokens;
+        a control token's are b"" unless ``special`` asks for its text (b"<|im_end|>")."""
+        special_piece = getattr(self._vocab, "special_piece", None) if special else None
+        return special_piece(token_id) if special_piece is not None else self._vocab.token_to_piece(token_id)
 
     def detokenizer(self, stop: Sequence[str] = ()) -> IncrementalDetokenizer:
         """A fresh streaming detokenizer for one sequence."""
@@ -201,8 +217,8 @@ class Tokenizer:
         if self.template_error is not None:
             raise self.template_error
         if not self._template_source:
-            raise TemplateError(
-                f"{self._what} has no chat template; run without --chat, or use an "
+            raise NoChatTemplateError(
+                f"{self._what} has no chat template, so it cannot take a chat; use an "
                 "instruct/chat build of the model (its GGUF carries tokenizer.chat_template)"
             )
         env = SandboxEnvironment()

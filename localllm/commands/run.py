@@ -8,6 +8,7 @@ import time
 
 from localllm.config import EngineConfig
 from localllm.engine.request import SamplingParams
+from localllm.errors import NoChatTemplateError
 
 
 def timing_line(metrics) -> str:
@@ -37,7 +38,10 @@ def run(config: EngineConfig, prompt: str, params: SamplingParams, chat: bool = 
         if chat:
             messages = ([{"role": "system", "content": system}] if system else [])
             messages.append({"role": "user", "content": prompt})
-            prompt_ids = engine.tokenizer.apply_chat_template(messages)
+            try:
+                prompt_ids = engine.tokenizer.apply_chat_template(messages)
+            except NoChatTemplateError as e:
+                raise NoChatTemplateError(f"{e}, or run without --chat to complete a plain prompt") from None
         else:
             prompt_ids = engine.tokenizer.encode(prompt)
         seq = engine.add_request(prompt_ids, params)

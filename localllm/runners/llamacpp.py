@@ -258,6 +258,12 @@ class LlamaVocab:
             piece = self._pieces[token_id] = self._piece(token_id, special=False)
         return piece
 
+    def special_piece(self, token_id: int) -> bytes:
+        """The token's text, a control token's own text included (b"<|im_end|>")."""
+        if not 0 <= token_id < self.n_vocab:
+            raise ValueError(f"token id {token_id} is outside the vocabulary (0..{self.n_vocab - 1})")
+        return self._piece(token_id, special=True)
+
     def is_eog(self, token_id: int) -> bool:
         return bool(L.llama_vocab_is_eog(self._vocab, token_id))
 

@@ -219,6 +219,7 @@ def test_prompt_longer_than_context(qwen_path):
 def test_chat_on_a_model_without_template(gemma_path):
     proc = localllm("run", gemma_path, "hi", "--chat", "--threads", "2")
     assert_usage_error(proc, "has no chat template")
+    assert "run without --chat" in proc.stderr  # the CLI's own hint (the server gives its own)
 
 
 def test_stdin_that_is_not_utf8(qwen_path):
