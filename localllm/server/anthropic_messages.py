@@ -173,9 +173,23 @@ class AnthropicMessages:
         """Anthropic's event sequence: message_start, ping, per block content_block_start /
         _delta / _stop, message_delta (stop reason, usage), message_stop. A thinking model's
         reasoning streams as a thinking block before the text. Text streams as it comes; with
-        tools the answer is held to its end, where its tool calls are known."""
+        tools, text that may start a call is held until it is known, and each call is a
+        tool_use block as soon as it is whole."""
         server = self.server
         blocks = _Blocks()
+        parser = server.tool_call_parser(tools) if tools else None
+
+        def said(reasoning: str, content: str, final: bool = False) -> list[str]:
+            calls = []
+            if parser is not None:
+                content, calls = parser.feed(content)
+                if final:
+                    rest, last = parser.finish()
+                    content, calls = content + rest, calls + last
+            events = blocks.say(reasoning, content)
+            for call in calls:
+                events += blocks.tool_use(ToolCall(new_id("toolu"), call.name, call.arguments))
+            return events
 
         start = MessageOut(id=mid, model=server.model_id, content=[], stop_reason=None, stop_sequence=None,
                            usage=Usage(input_tokens=len(prompt_ids), output_tokens=0))
@@ -185,29 +199,17 @@ class AnthropicMessages:
         try:
             async for _, out in server.run_choices(prompt_ids, params):
                 server.add(c, out)
-                if tools:
-                    continue
-                reasoning, content = answer.feed(out.text)
-                for e in blocks.say(reasoning, content):
+                for e in said(*answer.feed(out.text)):
                     yield e
-            if not tools:
-                for e in blocks.say(*answer.finish()):
-                    yield e
+            for e in said(*answer.finish(), final=True):
+                yield e
         except LocalLLMError as e:
             _, body = error_body("/v1/messages", 500, str(e), "server_error")
             yield sse(body, event="error")
             return
-        calls, finish = [], c.finish_reason
-        if tools:
-            reasoning, text = answer.split(c.text)
-            content, calls, finish = server.split_tool_calls(text, tools, c.finish_reason, lambda: new_id("toolu"))
-            for e in blocks.say(reasoning or "", content or ""):
-                yield e
         for e in blocks.close():
             yield e
-        for call in calls:
-            for e in blocks.tool_use(call):
-                yield e
+        finish = "tool_calls" if parser is not None and parser.num_calls else c.finish_reason
         yield _event("message_delta", delta={"stop_reason": stop_reason(finish, c.stop_sequence),
                                              "stop_sequence": c.stop_sequence},
                      usage=self.usage(len(prompt_ids), c).model_dump())

@@ -6,7 +6,12 @@ its own module over the shared request path (core.Server):
 - openai_responses: OpenAI's `/v1/responses` (and its kept responses, response_store.py);
 - anthropic_messages: Anthropic's `/v1/messages` and `/v1/messages/count_tokens`;
 - infill: llama.cpp's `/infill` (fill-in-the-middle for editors);
+- tokens: llama.cpp's `/tokenize` and `/detokenize`;
 - embeddings: OpenAI's `/v1/embeddings`, over the embedding model `serve --embedding-model` loads.
+
+OpenAI's routes answer without their `/v1` too (`/chat/completions`, `/models`, ...), as
+llama-server's do, for clients whose base URL has no `/v1`: the same handlers, left out of the
+schema (so documented and fuzzed once).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,7 +33,7 @@ from localllm.config import ServerConfig
 from localllm.engine.engine import AsyncEngine
 from localllm.errors import ContextOverflowError, LocalLLMError
 from localllm.paths import responses_db
-from localllm.server import anthropic_messages, embeddings, infill, openai_chat, openai_responses
+from localllm.server import anthropic_messages, embeddings, infill, openai_chat, openai_responses, tokens
 from localllm.server import protocol as P
 from localllm.server.core import Server
 from localllm.server.errors import (AnthropicErrorBody, APIError, ErrorBody, api_error_response, error_response,
@@ -74,7 +80,7 @@ class KeyGuard:
         if scope["type"] == "http" and scope["path"] != "/health" and not has_key(Request(scope), self.api_key):
             response = error_response(
                 scope["path"], 401, "Incorrect or missing API key: send 'Authorization: Bearer KEY' or "
-                "'x-api-key: KEY' with the key given to `localllm serve --api-key`", code="invalid_api_key",
+                "'x-api-key: KEY' with the key this server was started with", code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
             return
@@ -101,7 +107,8 @@ def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig, embe
     server = Server(engine, model_path, config, n_ctx_train)
     app = FastAPI(title="localllm", version=__version__,
                   description="localllm's API on a local model: OpenAI's chat completions, completions "
-                              "and responses, embeddings, Anthropic's messages, llama.cpp's infill.")
+                              "and responses, embeddings, Anthropic's messages, llama.cpp's infill, tokenize and "
+                              "detokenize.")
     app.state.server = server
 
     # Each middleware added wraps those before it, so a request meets them in the reverse order:
@@ -166,6 +173,7 @@ def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig, embe
     openai_responses.add_routes(app, server, ResponseStore(responses_db()))
     anthropic_messages.add_routes(app, server)
     infill.add_routes(app, server)
+    tokens.add_routes(app, server)
     embeddings.add_routes(app, server, embedder)
 
     cards = [model_card(server)]
@@ -184,6 +192,8 @@ def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig, embe
         server.check_model(model_id)
         return cards[0]
 
+    _add_unversioned_routes(app)
+
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": server.model_id}
@@ -196,6 +206,14 @@ def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig, embe
 
     app.openapi = partial(_openapi_with_errors, app.openapi)
     return app
+
+
+def _add_unversioned_routes(app: FastAPI) -> None:
+    """Each OpenAI route under /v1 also without it (`/v1/models` as `/models`), the same handler."""
+    for route in list(app.routes):
+        if isinstance(route, APIRoute) and route.path.startswith("/v1/") and not speaks_anthropic(route.path):
+            app.add_api_route(route.path[len("/v1"):], route.endpoint, methods=list(route.methods),
+                              response_model=route.response_model, include_in_schema=False)
 
 
 # The statuses any route may answer, always with its protocol's error object (never FastAPI's 422).

@@ -23,10 +23,11 @@ from localllm.chat_template import TemplateLimitError
 from localllm.config import ServerConfig
 from localllm.engine.engine import AsyncEngine, RequestOutput
 from localllm.engine.request import SamplingParams
-from localllm.errors import TemplateError, UsageError
+from localllm.errors import NoChatTemplateError, ParameterError, TemplateError, UsageError
 from localllm.reasoning import ReasoningMarkers, markers_for, reasoning_markers
 from localllm.server.errors import APIError
 from localllm.server.metrics import ServerMetrics
+from localllm.tool_calls import ToolCallParser, family_for, parse_tool_calls
 
 # Sampling values a door may pass through, by SamplingParams' names.
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
@@ -87,11 +88,15 @@ class Server:
         self.num_in_flight = 0
         # Whether the model's chat template thinks (a <think> block before the answer).
         self.template_thinks = reasoning_markers(getattr(self.tokenizer, "template_source", None)) is not None
+        # How the model writes a tool call: its chat template's family (localllm/tool_calls.py).
+        self.tool_family = family_for(getattr(self.tokenizer, "template_source", None))
 
     # -- admission ------------------------------------------------------------------------
 
-    def check_model(self, name: str) -> None:
-        if name not in self.model_names:
+    def check_model(self, name: str | None) -> None:
+        """A request's ``model``: absent (None) means the served model, as llama-server and vLLM
+        take it; an unknown name is a 404 that lists the served one."""
+        if name is not None and name not in self.model_names:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}' "
                                 f"(see GET /v1/models)", param="model", code="model_not_found")
 
@@ -124,9 +129,13 @@ class Server:
         ``kwargs`` are SamplingParams' own; a sampling value of None keeps the engine's default."""
         kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in SAMPLING_KEYS}
         try:
-            return [SamplingParams(seed=None if seed is None else seed + i, **kwargs) for i in range(n)]
+            params = [SamplingParams(seed=None if seed is None else seed + i, **kwargs) for i in range(n)]
+            params[0].check_vocab(self.tokenizer.n_vocab)
+        except ParameterError as e:
+            raise APIError(400, str(e), param=e.param) from None
         except UsageError as e:
             raise APIError(400, str(e)) from None
+        return params
 
     # -- prompts and grammars -------------------------------------------------------------
 
@@ -144,6 +153,8 @@ class Server:
                                            template_vars or None)
         except TemplateLimitError as e:  # the model's template is broken or hostile: not the request's fault
             raise APIError(500, str(e), type_="server_error", code="chat_template_error") from None
+        except NoChatTemplateError as e:
+            raise APIError(400, f"{e}, or send a plain prompt to /v1/completions", param="messages") from None
         except (TemplateError, UsageError) as e:
             raise APIError(400, str(e), param="messages") from None
 
@@ -163,6 +174,14 @@ class Server:
         except UsageError as e:
             raise APIError(400, str(e), param="tools") from None
 
+    async def check_grammar(self, gbnf: str, param: str = "grammar") -> None:
+        """A request's own GBNF, parsed now so that a bad one is a 400 naming ``param`` before
+        any answer starts (the engine would parse it only when the request is added)."""
+        try:
+            await asyncio.wrap_future(self.engine.call(lambda engine: engine.check_grammar(gbnf)))
+        except UsageError as e:
+            raise APIError(400, str(e), param=param) from None
+
     def json_grammar(self, schema: dict | None, param: str) -> str:
         """The grammar of a JSON answer: any object (``schema`` None), or one that ``schema`` allows."""
         from localllm.runners.llamacpp import JSON_OBJECT_GRAMMAR, json_schema_to_grammar
@@ -180,35 +199,44 @@ class Server:
         when it called one, and each call's id is new_id()."""
         if not tools:
             return text, [], finish
-        from localllm.tools import parse_bare_call, parse_tool_calls
-
-        content, calls = parse_tool_calls(text)
+        content, calls = parse_tool_calls(text, {t["function"]["name"] for t in tools}, self.tool_family)
         if not calls:
-            bare = parse_bare_call(text, {t["function"]["name"] for t in tools})
-            if bare is None:
-                return text, [], finish
-            content, calls = "", [bare]
-        return content or None, [ToolCall(new_id(), c["name"], c["arguments"]) for c in calls], "tool_calls"
+            return text, [], finish
+        return content or None, [ToolCall(new_id(), c.name, c.arguments) for c in calls], "tool_calls"
+
+    def tool_call_parser(self, tools: list[dict]) -> ToolCallParser:
+        """The reader of a streamed answer's calls to ``tools`` (as split_tool_calls reads them)."""
+        return ToolCallParser({t["function"]["name"] for t in tools}, self.tool_family)
 
     # -- generation -----------------------------------------------------------------------
 
-    async def run_choices(self, prompt_ids: list[int], params: list[SamplingParams]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Stream (choice index, output) for n choices of one prompt. The first choice runs
-        alone until its prompt is computed, so the others find its KV blocks and share them.
-        Leaving the stream early aborts every choice."""
+    def run_choices(self, prompt_ids: list[int],
+                    params: list[SamplingParams]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Stream (choice index, output) for n choices of one prompt (run_prompts)."""
+        return self.run_prompts([prompt_ids], params)
+
+    async def run_prompts(self, prompts: list[list[int]],
+                          params: list[SamplingParams]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Stream (choice index, output) for the n = len(params) // len(prompts) choices of each
+        prompt, numbered as OpenAI numbers them: choice p * n + j is prompt p's j-th. All run
+        at once, sharing the engine's steps; a prompt's first choice runs alone until its
+        prompt is computed, so the others find its KV blocks and share them. Leaving the
+        stream early aborts every choice."""
+        n = len(params) // len(prompts)
         queue: asyncio.Queue = asyncio.Queue()
-        prefilled = asyncio.Event()
+        prefilled = [asyncio.Event() for _ in prompts]
         done = object()
 
         async def run(index: int) -> None:
+            prompt = index // n
             try:
-                if index > 0:
-                    await prefilled.wait()
-                async for out in self.engine.generate(prompt_ids, params[index]):
-                    prefilled.set()
+                if index % n:
+                    await prefilled[prompt].wait()
+                async for out in self.engine.generate(prompts[prompt], params[index]):
+                    prefilled[prompt].set()
                     await queue.put((index, out))
             except BaseException as e:  # delivered to the consumer, which re-raises it
-                prefilled.set()
+                prefilled[prompt].set()
                 await queue.put((index, e))
             finally:
                 await queue.put((index, done))
@@ -235,10 +263,15 @@ class Server:
                       until: Callable[[Choice], bool] | None = None) -> list[Choice]:
         """Every choice whole (a response that is not streamed); the client leaving aborts them.
         ``until`` may end one answer early (it is aborted, its finish reason "length")."""
+        return await self.collect_prompts(request, [prompt_ids], params, until)
+
+    async def collect_prompts(self, request: Request, prompts: list[list[int]], params: list[SamplingParams],
+                              until: Callable[[Choice], bool] | None = None) -> list[Choice]:
+        """collect for the choices of several prompts, numbered as run_prompts numbers them."""
         choices = [Choice(i) for i in range(len(params))]
 
         async def consume() -> None:
-            async for i, out in self.run_choices(prompt_ids, params):
+            async for i, out in self.run_prompts(prompts, params):
                 self.add(choices[i], out)
                 if until is not None and choices[i].finish_reason is None and until(choices[i]):
                     choices[i].finish_reason = "length"

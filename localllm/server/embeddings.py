@@ -5,9 +5,11 @@ OpenAI sends it); `dimensions` keeps a vector's first N components and scales th
 length 1 (meaningful for models trained for it, Matryoshka-style: nomic-embed v1.5,
 Qwen3-Embedding); usage. Pooling and normalization are the model's (its GGUF metadata).
 
-A chat model asked for embeddings is a 400 that names the flag: localllm does not mean-pool a
-chat model's states for you (they make poor embeddings), as vLLM and llama-server don't by
-default. Errors have OpenAI's shape.
+A chat model asked for embeddings is a 400 that names the embedding model to ask instead (or
+says the server has none): localllm does not mean-pool a chat model's states for you (they make
+poor embeddings), as vLLM and llama-server don't by default. `model` absent means the embedding
+model. Errors have OpenAI's shape and, as every error of the server, say what the client can do
+(no command-line flag: the client did not start the server).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ MAX_INPUTS = 2048  # OpenAI's limit for one request
 
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    model: str
+    model: str | None = None  # absent: the embedding model
     input: str | list[str] | list[Int] | list[list[Int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Int | None = Field(default=None, ge=1)
@@ -60,18 +62,18 @@ class Embeddings:
         self.server, self.embedder = server, embedder
         self.names = {embedder.name, embedder.name + ".gguf"} if embedder is not None else set()
 
-    def check_model(self, name: str) -> None:
-        if name in self.names:
+    def check_model(self, name: str | None) -> None:
+        if name in self.names or (name is None and self.embedder is not None):
             return
+        served = (f"this server embeds with '{self.embedder.name}': name that model, or leave model out"
+                  if self.embedder is not None else
+                  "this server was started without an embedding model (such as all-MiniLM-L6-v2 or "
+                  "nomic-embed-text), so it serves no embeddings")
         if name in self.server.model_names:
-            raise APIError(400, f"'{name}' is a chat model, not an embedding model; start `localllm serve` with "
-                                "--embedding-model MODEL (an embedding GGUF such as all-MiniLM-L6-v2 or "
-                                "nomic-embed-text) and name that model"
-                           + (f" ('{self.embedder.name}')" if self.embedder is not None else ""),
+            raise APIError(400, f"'{name}' is a chat model, not an embedding model; {served}",
                            param="model", code="model_not_embedding")
-        served = f"this server embeds with '{self.embedder.name}'" if self.embedder is not None else \
-            "this server has no embedding model (start it with --embedding-model MODEL)"
-        raise APIError(404, f"The model '{name}' does not exist; {served}", param="model", code="model_not_found")
+        unknown = f"The model '{name}' does not exist; " if name is not None else ""
+        raise APIError(404, unknown + served, param="model", code="model_not_found")
 
     async def embed(self, req: EmbeddingRequest) -> dict:
         self.check_model(req.model)

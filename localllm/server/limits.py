@@ -44,6 +44,7 @@ class BodyGuard:
         if isinstance(body, int):
             return await self._too_large(body, scope, receive, send, at_least=True)
         replayed = False
+        scope = as_json(scope, body)
 
         async def replay():
             nonlocal replayed
@@ -74,6 +75,21 @@ class BodyGuard:
                                   f"{self.max_bytes} bytes; send a shorter request", code="request_too_large",
                                   headers={"Connection": "close"})
         await response(scope, receive, send)
+
+
+# What `curl -d '{...}'` and other clients that name no JSON type send with a JSON body.
+_NOT_NAMED_JSON = (b"", b"application/x-www-form-urlencoded", b"text/plain")
+
+
+def as_json(scope: dict, body: bytes) -> dict:
+    """scope with its content type set to JSON when the body is a JSON object or array sent
+    without a JSON content type (curl's -d sends one as a form; llama-server and Ollama read it
+    as JSON). A body that is not JSON keeps its type, and the route's own error says so."""
+    kind = dict(scope["headers"]).get(b"content-type", b"").split(b";")[0].strip().lower()
+    if kind not in _NOT_NAMED_JSON or body.lstrip()[:1] not in (b"{", b"["):
+        return scope
+    others = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+    return {**scope, "headers": others + [(b"content-type", b"application/json")]}
 
 
 def header_timeout_protocol(read_timeout_s: float) -> type[H11Protocol]:

@@ -1,6 +1,9 @@
 """OpenAI's chat completions and completions APIs (`/v1/chat/completions`, `/v1/completions`)
 over the shared request path (core.Server); their shapes are in protocol.py. Errors have
-OpenAI's shape and status."""
+OpenAI's shape and status. Both also take what llama-server's and vLLM's clients send beyond
+OpenAI's fields (protocol._Sampling): n_predict, grammar, json_schema, llama-server's
+response_format {"type": "json_object", "schema": ...}; completions take several prompts in
+one request, and return_tokens."""
 
 from __future__ import annotations
 
@@ -27,12 +30,39 @@ def choice_params(server: Server, req: P._Sampling, max_tokens: int, logprobs: b
         top_logprobs=top_logprobs, speculative=req.speculative,
         temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's default
         top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repeat_penalty,
-        frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty)
+        frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+        logit_bias=req.logit_bias or ())
 
 
-def usage(num_prompt: int, choices: list[Choice]) -> P.Usage:
+async def request_grammar(server: Server, req: P._Sampling) -> str | None:
+    """The grammar the answer must match, from at most one of: ``grammar`` (GBNF text),
+    ``json_schema`` (both llama-server's) and ``response_format`` (OpenAI's json_object and
+    json_schema, and llama-server's json_object with a ``schema``)."""
+    fmt = req.response_format if req.response_format is not None and req.response_format.type != "text" else None
+    given = [name for name, value in (("grammar", req.grammar), ("json_schema", req.json_schema),
+                                      ("response_format", fmt)) if value is not None]
+    if len(given) > 1:
+        raise APIError(400, f"{given[0]} and {given[1]} each set what the answer must match; give one of them",
+                       param=given[1])
+    if req.grammar is not None:
+        await server.check_grammar(req.grammar, "grammar")
+        return req.grammar
+    if req.json_schema is not None:
+        return server.json_grammar(req.json_schema, "json_schema")
+    if fmt is None:
+        return None
+    if fmt.type == "json_object":
+        return server.json_grammar(fmt.schema_, "response_format")
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+    return server.json_grammar(fmt.json_schema.schema_, "response_format")
+
+
+def usage(num_prompt: int, choices: list[Choice], num_per_prompt: int | None = None) -> P.Usage:
+    """The usage of choices; with several prompts (``num_per_prompt`` choices each) the cached
+    tokens are each prompt's first choice's, summed."""
     completion = sum(len(c.token_ids) for c in choices)
-    cached = choices[0].num_cached_tokens if choices else 0
+    cached = sum(c.num_cached_tokens for c in choices[::num_per_prompt or len(choices) or 1])
     return P.Usage(prompt_tokens=num_prompt, completion_tokens=completion, total_tokens=num_prompt + completion,
                    prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
 
@@ -48,9 +78,13 @@ class OpenAIChat:
 
     def token_logprobs(self, token_ids: list[int], logprobs: list[float],
                        tops: list[list[tuple[int, float]]] | None = None) -> list[P.TokenLogprob]:
+        """Chat logprobs; each token's ``bytes`` are its own bytes from the vocabulary, so a
+        token holding part of a UTF-8 character gives those bytes (its ``token`` text is the
+        replacement character)."""
         tops = tops or [[] for _ in token_ids]
-        return [P.TokenLogprob(token=self.tokenizer.decode([t]), logprob=lp, top_logprobs=[
-                    {"token": self.tokenizer.decode([i]), "logprob": v, "bytes": None} for i, v in top])
+        tok = self.tokenizer
+        return [P.TokenLogprob(token=tok.decode([t]), logprob=lp, bytes=list(tok.piece(t)), top_logprobs=[
+                    {"token": tok.decode([i]), "logprob": v, "bytes": list(tok.piece(i))} for i, v in top])
                 for t, lp, top in zip(token_ids, logprobs, tops)]
 
     # -- chat -----------------------------------------------------------------------------
@@ -60,16 +94,15 @@ class OpenAIChat:
         server.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported yet; leave it out", param="logit_bias")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
-        grammar = self.grammar_for(req, tools)
+        grammar = await self.grammar_for(req, tools)
         thinking = not (req.reasoning_effort == "none"
                         or (req.chat_template_kwargs or {}).get("enable_thinking") is False)
         prompt_ids = await server.chat_prompt([message_dict(m) for m in req.messages], tools, thinking,
                                               req.chat_template_kwargs)
         markers = server.reasoning_for(prompt_ids)
-        max_tokens = server.max_tokens_for(len(prompt_ids), req.max_completion_tokens or req.max_tokens, "messages")
+        asked = req.max_new_tokens(req.max_completion_tokens or req.max_tokens)
+        max_tokens = server.max_tokens_for(len(prompt_ids), asked, "messages")
         params = choice_params(server, req, max_tokens, req.logprobs, grammar, req.top_logprobs or 0)
         server.check_capacity(req.n)
         rid = P.new_id("chatcmpl")
@@ -84,18 +117,11 @@ class OpenAIChat:
             usage=usage(len(prompt_ids), choices),
         ).model_dump(exclude_none=False)
 
-    def grammar_for(self, req: P.ChatCompletionRequest, tools: list[dict] | None) -> str | None:
+    async def grammar_for(self, req: P.ChatCompletionRequest, tools: list[dict] | None) -> str | None:
         if tools and (req.tool_choice == "required" or isinstance(req.tool_choice, P.NamedToolChoice)):
             name = req.tool_choice.function.get("name") if isinstance(req.tool_choice, P.NamedToolChoice) else None
             return self.server.tool_grammar(tools, name)
-        fmt = req.response_format
-        if fmt is None or fmt.type == "text":
-            return None
-        if fmt.type == "json_object":
-            return self.server.json_grammar(None, "response_format")
-        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
-        return self.server.json_grammar(fmt.json_schema.schema_, "response_format")
+        return await request_grammar(self.server, req)
 
     def tool_calls(self, text: str, tools: list[dict] | None, finish: str | None):
         content, calls, finish = self.server.split_tool_calls(text, tools, finish, lambda: P.new_id("call"))
@@ -116,10 +142,12 @@ class OpenAIChat:
                            params: list[SamplingParams], include_usage: bool,
                            tools: list[dict] | None = None, markers=None) -> AsyncIterator[str]:
         """Chunks as the answer comes: reasoning in reasoning_content (and reasoning), never
-        in content; with tools the answer is sent when it ends, where its calls are known."""
+        in content; with tools, text that may start a call is held until it is known, and each
+        call goes out whole as its own tool_calls delta."""
         server = self.server
         choices = [Choice(i) for i in range(len(params))]
         answers = [Answer(markers) for _ in params]
+        tool_parsers = [server.tool_call_parser(tools) for _ in params] if tools else []
 
         def said(reasoning: str, content: str | None) -> P.ChunkDelta:
             return P.ChunkDelta(content=content if content or not reasoning else None,
@@ -138,14 +166,23 @@ class OpenAIChat:
                 server.add(choices[i], out)
                 lp = (P.ChoiceLogprobs(content=self.token_logprobs(out.token_ids, out.logprobs or [], out.top_logprobs))
                       if req.logprobs and out.token_ids else None)
-                if tools:  # a tool call is only known whole: the answer is sent when it ends
+                if tools:  # content as soon as it cannot start a call; each call when it is whole
+                    parser = tool_parsers[i]
+                    reasoning, text = answers[i].feed(out.text)
+                    content, calls = parser.feed(text)
+                    if out.finished:  # what the reasoning split and the call parser still hold
+                        more_reasoning, text = answers[i].finish()
+                        more, fed = parser.feed(text)
+                        rest, last = parser.finish()
+                        reasoning, content, calls = reasoning + more_reasoning, content + more + rest, calls + fed + last
+                    if reasoning or content or lp is not None:
+                        yield chunk(i, said(reasoning, content), logprobs=lp)
+                    for k, found in enumerate(calls, parser.num_calls - len(calls)):  # k: the call's index
+                        call = P.ToolCall(id=P.new_id("call"),
+                                          function=P.FunctionCall(name=found.name, arguments=found.arguments))
+                        yield chunk(i, P.ChunkDelta(tool_calls=[{"index": k, **call.model_dump()}]))
                     if out.finished:
-                        reasoning, text = answers[i].split(choices[i].text)
-                        content, calls, finish = self.tool_calls(text, tools, out.finish_reason)
-                        delta = said(reasoning or "", content)
-                        delta.tool_calls = [{"index": k, **c.model_dump()} for k, c in enumerate(calls)] if calls else None
-                        yield chunk(i, delta)
-                        yield chunk(i, P.ChunkDelta(), finish=finish)
+                        yield chunk(i, P.ChunkDelta(), finish="tool_calls" if parser.num_calls else out.finish_reason)
                     continue
                 reasoning, content = answers[i].feed(out.text)
                 if reasoning or content or lp is not None:
@@ -169,47 +206,73 @@ class OpenAIChat:
     async def completions(self, req: P.CompletionRequest, request: Request):
         server = self.server
         server.check_model(req.model)
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported yet; leave it out", param="logit_bias")
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(400, "a list of several prompts is not supported; send one request per prompt",
-                               param="prompt")
-            prompt = prompt[0]
-        if req.suffix is not None:
-            if not isinstance(prompt, str):
-                raise APIError(400, "suffix needs the prompt as text", param="suffix")
-            prompt_ids = self.fim_prompt(prompt, req.suffix, "suffix")
-        elif isinstance(prompt, str):
-            prompt_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
-        else:
-            n_vocab = self.tokenizer.n_vocab
-            bad = next((t for t in prompt if not 0 <= t < n_vocab), None)
-            if bad is not None:
-                raise APIError(400, f"token id {bad} is outside the vocabulary of {n_vocab}", param="prompt")
-            prompt_ids = list(prompt)
-        if not prompt_ids:
-            raise APIError(400, "the prompt is empty; give at least one token of text", param="prompt")
-        max_tokens = server.max_tokens_for(len(prompt_ids), req.max_tokens, "prompt")
+        num_prompts = 1 if isinstance(req.prompt, str) or not req.prompt or isinstance(req.prompt[0], int) \
+            else len(req.prompt)
+        most = server.max_num_seqs + server.config.max_queue
+        if num_prompts * req.n > most:
+            raise APIError(400, f"{num_prompts} prompts x n={req.n} is {num_prompts * req.n} answers, more than the "
+                                f"{most} this server takes at once; send the prompts in several requests",
+                           param="prompt")
+        prompts = await self.prompt_ids(req)
+        grammar = await request_grammar(server, req)
         want_logprobs = req.logprobs is not None
-        params = choice_params(server, req, max_tokens, want_logprobs, None, req.logprobs or 0)
-        server.check_capacity(req.n)
+        asked = req.max_new_tokens(req.max_tokens)
+        params = []
+        for prompt_ids in prompts:  # each prompt its own room in the context
+            max_tokens = server.max_tokens_for(len(prompt_ids), asked, "prompt")
+            params += choice_params(server, req, max_tokens, want_logprobs, grammar, req.logprobs or 0)
+        server.check_capacity(len(params))
         rid = P.new_id("cmpl")
-        echo = self.tokenizer.decode(prompt_ids) if req.echo and req.suffix is None else ""
+        echoes = [self.tokenizer.decode(ids) if req.echo and req.suffix is None else "" for ids in prompts]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._completion_stream(rid, prompt_ids, params, echo, want_logprobs, include_usage),
+            return StreamingResponse(self._completion_stream(rid, prompts, params, echoes, want_logprobs, include_usage,
+                                                             req.return_tokens),
                                      media_type="text/event-stream")
-        choices = await server.collect(request, prompt_ids, params)
-        return P.Completion(
+        choices = await server.collect_prompts(request, prompts, params)
+        body = P.Completion(
             id=rid, model=server.model_id,
-            choices=[P.CompletionChoice(index=c.index, text=echo + c.text, finish_reason=c.finish_reason,
+            choices=[P.CompletionChoice(index=c.index, text=echoes[c.index // req.n] + c.text,
+                                        finish_reason=c.finish_reason,
                                         logprobs=self._completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
-                                        if want_logprobs else None)
+                                        if want_logprobs else None,
+                                        tokens=c.token_ids if req.return_tokens else None)
                      for c in choices],
-            usage=usage(len(prompt_ids), choices),
+            usage=usage(sum(map(len, prompts)), choices, req.n),
         ).model_dump()
+        if not req.return_tokens:
+            for choice in body["choices"]:
+                del choice["tokens"]
+        return body
+
+    async def prompt_ids(self, req: P.CompletionRequest) -> list[list[int]]:
+        """The request's prompts as token ids, each checked: text (with ``suffix``: its
+        fill-in-the-middle prompt) or ids in the vocabulary, none empty."""
+        prompt = req.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "the prompt list is empty; give a prompt (text or token ids) or a list of them",
+                           param="prompt")
+        where = (lambda i: "the prompt") if len(prompt) == 1 else (lambda i: f"prompt {i}")
+        if req.suffix is not None:
+            if not isinstance(prompt[0], str):
+                raise APIError(400, "suffix needs the prompt as text", param="suffix")
+            prompts = [self.fim_prompt(text, req.suffix, "suffix") for text in prompt]
+        elif isinstance(prompt[0], str):
+            prompts = await asyncio.to_thread(lambda: [self.tokenizer.encode(text) for text in prompt])
+        else:
+            n_vocab = self.tokenizer.n_vocab
+            prompts = [list(ids) for ids in prompt]
+            for i, ids in enumerate(prompts):
+                bad = next((t for t in ids if not 0 <= t < n_vocab), None)
+                if bad is not None:
+                    raise APIError(400, f"{where(i)}: token id {bad} is outside the vocabulary of {n_vocab}",
+                                   param="prompt")
+        for i, ids in enumerate(prompts):
+            if not ids or (isinstance(prompt[i], str) and not prompt[i]):
+                raise APIError(400, f"{where(i)} is empty; give at least one token of text", param="prompt")
+        return prompts
 
     def fim_prompt(self, prefix: str, suffix: str, param: str) -> list[int]:
         """The model's fill-in-the-middle prompt: the text before and after the cursor."""
@@ -232,34 +295,38 @@ class OpenAIChat:
         return P.CompletionLogprobs(tokens=tokens, token_logprobs=list(logprobs), top_logprobs=top,
                                     text_offset=offsets)
 
-    async def _completion_stream(self, rid: str, prompt_ids: list[int], params: list[SamplingParams], echo: str,
-                                 want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+    async def _completion_stream(self, rid: str, prompts: list[list[int]], params: list[SamplingParams],
+                                 echoes: list[str], want_logprobs: bool, include_usage: bool,
+                                 return_tokens: bool = False) -> AsyncIterator[str]:
         server = self.server
+        num_per_prompt = len(params) // len(prompts)
         choices = [Choice(i) for i in range(len(params))]
 
-        def chunk(index: int, text: str, finish: str | None, logprobs=None) -> str:
-            return sse(P.Completion(id=rid, model=server.model_id, choices=[
-                P.CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=logprobs)]).model_dump(exclude_none=True)
-                | {"choices": [{"index": index, "text": text, "finish_reason": finish,
-                                "logprobs": logprobs.model_dump() if logprobs else None}]})
+        def chunk(index: int, text: str, finish: str | None, logprobs=None, tokens: list[int] | None = None) -> str:
+            choice = {"index": index, "text": text, "finish_reason": finish,
+                      "logprobs": logprobs.model_dump() if logprobs else None}
+            if return_tokens:
+                choice["tokens"] = tokens or []
+            return sse(P.Completion(id=rid, model=server.model_id, choices=[]).model_dump(exclude_none=True)
+                       | {"choices": [choice]})
 
-        if echo:
-            for i in range(len(params)):
-                yield chunk(i, echo, None)
+        for i in range(len(params)):
+            if echoes[i // num_per_prompt]:
+                yield chunk(i, echoes[i // num_per_prompt], None)
         try:
-            async for i, out in server.run_choices(prompt_ids, params):
+            async for i, out in server.run_prompts(prompts, params):
                 server.add(choices[i], out)
                 lp = (self._completion_logprobs(out.token_ids, out.logprobs or [], out.top_logprobs)
                       if want_logprobs else None)
-                if out.text or out.finished:
-                    yield chunk(i, out.text, out.finish_reason if out.finished else None, lp)
+                if out.text or out.finished or (return_tokens and out.token_ids):
+                    yield chunk(i, out.text, out.finish_reason if out.finished else None, lp, out.token_ids)
         except LocalLLMError as e:
             yield stream_error(e)
             yield sse("[DONE]")
             return
         if include_usage:
             yield sse(P.Completion(id=rid, model=server.model_id, choices=[],
-                                   usage=usage(len(prompt_ids), choices)).model_dump())
+                                   usage=usage(sum(map(len, prompts)), choices, num_per_prompt)).model_dump())
         yield sse("[DONE]")
 
 

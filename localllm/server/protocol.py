@@ -1,6 +1,8 @@
 """OpenAI's request and response shapes as pydantic models. Requests forbid unknown fields
-(a typo is a 400, not silently ignored) but accept the common ones editors send; they are
-strict about types, as OpenAI is ("5" is not a number, false is not a token id)."""
+(a typo is a 400, not silently ignored) but accept the common ones editors send, and the
+extensions llama-server's and vLLM's clients send (n_predict, grammar, json_schema, top_k,
+min_p, ...); they are strict about types, as OpenAI is ("5" is not a number, false is not a
+token id)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
 
 
 def _whole(value):
@@ -62,6 +64,8 @@ class JsonSchemaFormat(_Request):
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    # llama-server's form: {"type": "json_object", "schema": {...}}, an object the schema allows.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
 
 
 class FunctionDef(_Request):
@@ -82,7 +86,7 @@ class NamedToolChoice(_Request):
 
 
 class _Sampling(_Request):
-    model: str
+    model: str | None = None  # absent: the served model (llama-server and vLLM take it so)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: Int = Field(default=1, ge=1, le=8)
@@ -97,15 +101,46 @@ class _Sampling(_Request):
     top_k: Int | None = Field(default=None, ge=0)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repeat_penalty: float | None = Field(default=None, ge=1e-3, le=1e3)
+    # OpenAI's: token ids (as strings) -> a value in [-100, 100] added to their logits;
+    # SamplingParams checks the ids and the values.
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    # llama-server's (and vLLM's): n_predict is max_tokens (-1: until the context ends; it wins
+    # over max_tokens, as in llama-server); grammar is GBNF text the answer must match;
+    # json_schema a JSON schema it must match. At most one of grammar, json_schema and
+    # response_format.
+    n_predict: Int | None = Field(default=None, ge=-1)
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    # llama-server's, accepted and ignored: the prefix cache always caches and needs no slot;
+    # no per-token timings or prompt progress are sent.
+    cache_prompt: bool | None = None
+    id_slot: Int | None = None
+    timings_per_token: bool | None = None
+    return_progress: bool | None = None
     # localllm's own: false turns prompt-lookup drafting off for this request, true drafts at
     # every step where the prompt offers a match, absent follows the server (which drafts
     # where it pays, or never with `serve --no-spec`). Strict: "yes" or 1 is a 400.
     speculative: StrictBool | None = None
 
+    @field_validator("n_predict")
+    @classmethod
+    def _some_tokens(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("n_predict 0 asks for no answer; give -1 (until the context ends) or 1 or more")
+        return value
+
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def max_new_tokens(self, asked: int | None) -> int | None:
+        """The answer's most tokens: n_predict when given (None for -1: until the context
+        ends), else ``asked`` (the door's max_tokens)."""
+        if self.n_predict is None:
+            return asked
+        return None if self.n_predict == -1 else self.n_predict
 
 
 class ChatCompletionRequest(_Sampling):
@@ -114,11 +149,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Int | None = Field(default=None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    logit_bias: dict[str, float] | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     # Thinking models: "none" (or chat_template_kwargs {"enable_thinking": false}, vLLM's and
@@ -128,13 +161,29 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[Int] | list[str]
+    # One prompt (text or token ids) or several (texts, or lists of token ids): each gets n
+    # choices, prompt p's j-th at index p * n + j.
+    prompt: str | list[Int] | list[str] | list[list[Int]]
     suffix: str | None = None
     max_tokens: Int | None = Field(default=16, ge=1)
     echo: bool = False
     logprobs: Int | None = Field(default=None, ge=0, le=5)
     best_of: Int | None = Field(default=None, ge=1, le=1)
-    logit_bias: dict[str, float] | None = None
+    # llama-server's: each choice also gives its answer's token ids, as `tokens`.
+    return_tokens: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_kind(cls, value):
+        """A list of prompts is all texts or all token-id lists (one prompt: all ids); a mix
+        is refused with that said, rather than as whichever union member failed first."""
+        if isinstance(value, list):
+            kinds = sorted({"texts" if isinstance(x, str) else "token-id lists" if isinstance(x, list) else "token ids"
+                            for x in value})
+            if len(kinds) > 1:
+                raise ValueError(f"the prompt list mixes {' and '.join(kinds)}; give one text, a list of token "
+                                 "ids, a list of texts or a list of token-id lists")
+        return value
 
 
 # -- responses -----------------------------------------------------------------------------
@@ -228,6 +277,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
+    tokens: list[int] | None = None  # with return_tokens (llama-server's): the answer's token ids
 
 
 class Completion(BaseModel):

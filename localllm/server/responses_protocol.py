@@ -134,7 +134,7 @@ class ResponsesRequest(_Request):
     service's own fields (include, truncation, service_tier, prompt_cache_key, ...) are accepted
     and ignored."""
 
-    model: str
+    model: str | None = None  # absent: the served model
     input: str | list[Item]
     instructions: str | None = None
     tools: list[Tool] | None = None

@@ -11,7 +11,7 @@ import pytest
 from localllm.engine.request import SamplingParams
 from localllm.errors import UsageError
 from localllm.runners.llamacpp import JSON_OBJECT_GRAMMAR, json_schema_to_grammar
-from localllm.tools import parse_tool_calls
+from localllm.tool_calls import family_for, parse_tool_calls
 
 from test_engine import SMALL, long_text
 
@@ -157,10 +157,10 @@ def test_tool_call_from_the_chat_template(qwen):
     grammar = call_rules + '\nroot ::= "<tool_call>\\n" call "\\n</tool_call>"\n'
     out = qwen.generate([prompt], SamplingParams(temperature=0.0, max_tokens=64, grammar=grammar))[0]
     assert out.finish_reason == "stop", out.text
-    content, calls = parse_tool_calls(out.text)
+    content, calls = parse_tool_calls(out.text, {"get_weather"}, family_for(qwen.tokenizer.template_source))
     assert len(calls) == 1, out.text
-    assert calls[0]["name"] == "get_weather"
-    assert json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+    assert calls[0].name == "get_weather"
+    assert json.loads(calls[0].arguments) == {"city": "Paris"}
     assert content == ""
 
 

@@ -41,6 +41,11 @@ ROUTES = {
     ("/v1/models/{model_id}", "GET"), ("/health", "GET"), ("/metrics", "GET"),
     ("/openapi.json", "GET"), ("/openapi.json", "HEAD"), ("/docs", "GET"), ("/docs", "HEAD"),
     ("/docs/oauth2-redirect", "GET"), ("/docs/oauth2-redirect", "HEAD"), ("/redoc", "GET"), ("/redoc", "HEAD"),
+    ("/tokenize", "POST"), ("/detokenize", "POST"),
+    # OpenAI's routes without /v1, as llama-server has them: the same handlers
+    ("/chat/completions", "POST"), ("/completions", "POST"), ("/models", "GET"), ("/models/{model_id}", "GET"),
+    ("/embeddings", "POST"), ("/responses", "POST"), ("/responses/{response_id}", "GET"),
+    ("/responses/{response_id}", "DELETE"),
 }
 
 

@@ -97,7 +97,9 @@ def test_tool_round_trip(client, served_model):
                                                "content": json.dumps({"temp_c": 21, "sky": "sunny"})}]}]
     answer = client.messages.create(model=served_model, max_tokens=60, extra_body=GREEDY, messages=messages,
                                     tools=[WEATHER_TOOL])
-    assert answer.stop_reason in ("end_turn", "max_tokens")
+    # The 0.5B model calls get_weather again before it echoes the result: a whole call object
+    # in the answer, which is a tool_use block here as it is in llama-server.
+    assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
     text = "".join(b.text for b in answer.content if b.type == "text")
     assert "21" in text or "sunny" in text.lower(), text
 

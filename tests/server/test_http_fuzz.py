@@ -19,6 +19,7 @@ max_tokens is cut to MAX_TOKENS and its n to MAX_N before it is sent.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -49,11 +50,15 @@ def _served_spec(live_server) -> dict:
     spec = httpx.get(f"{live_server.url}/openapi.json", headers=headers, timeout=30).json()
     model_id, embedder_id = [m["id"] for m in httpx.get(f"{live_server.base_url}/models", headers=headers,
                                                           timeout=30).json()["data"]]
-    for name in ("ChatCompletionRequest", "CompletionRequest", "MessagesRequest", "CountTokensRequest",
-                 "ResponsesRequest"):
-        spec["components"]["schemas"][name]["properties"]["model"] = {"type": "string", "enum": [model_id]}
-    spec["components"]["schemas"]["InfillRequest"]["properties"].pop("model")  # optional, as llama-server has it
-    spec["components"]["schemas"]["EmbeddingRequest"]["properties"]["model"] = {"type": "string", "enum": [embedder_id]}
+    pinned = {"type": "string", "enum": [model_id]}
+    for name in ("MessagesRequest", "CountTokensRequest"):  # Anthropic's model is required
+        spec["components"]["schemas"][name]["properties"]["model"] = pinned
+    for name in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest"):  # OpenAI's: absent or null too
+        spec["components"]["schemas"][name]["properties"]["model"] = {"anyOf": [pinned, {"type": "null"}]}
+    for name in ("InfillRequest", "TokenizeRequest", "DetokenizeRequest"):  # optional, as llama-server has it
+        spec["components"]["schemas"][name]["properties"].pop("model")
+    spec["components"]["schemas"]["EmbeddingRequest"]["properties"]["model"] = {
+        "anyOf": [{"type": "string", "enum": [embedder_id]}, {"type": "null"}]}
     return spec
 
 
@@ -143,10 +148,16 @@ def _check_error(body) -> None:
     assert error["code"] is None or isinstance(error["code"], str), error
 
 
+def _sse_lines(text: str) -> list[str]:
+    """An event stream's lines, split where SSE splits them (CR, LF, CRLF): not str.splitlines,
+    which also splits at U+2028, U+0085 and others that JSON leaves raw inside a string."""
+    return re.split(r"\r\n|\r|\n", text)
+
+
 def _cap(body, path: str):
     """Cut a generated body's cost: its answer's length to MAX_TOKENS (absent or null: set; the
-    server would fill the context), n to MAX_N."""
-    if not isinstance(body, dict):
+    server would fill the context; n_predict -1 too), n to MAX_N."""
+    if not isinstance(body, dict) or path in ("/tokenize", "/detokenize"):
         return body
     def over(value, cap: int) -> bool:
         return type(value) in (int, float) and value > cap
@@ -164,6 +175,8 @@ def _cap(body, path: str):
             body[key] = MAX_TOKENS
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_TOKENS  # absent or null: the server would fill the context
+    if body.get("n_predict") == -1 or over(body.get("n_predict"), MAX_TOKENS):  # llama-server's max_tokens
+        body["n_predict"] = MAX_TOKENS
     if over(body.get("n"), MAX_N):
         body["n"] = MAX_N
     return body
@@ -201,20 +214,20 @@ def _call_and_check(case, run: str) -> None:
         assert content_type == "application/json", content_type
         (_check_anthropic_error if anthropic else _check_error)(_strict_json(response.text))
     elif content_type.startswith("text/event-stream") and anthropic:
-        lines = [line for line in response.text.splitlines() if line]
+        lines = [line for line in _sse_lines(response.text) if line]
         events = [_strict_json(line[len("data: "):]) for line in lines[1::2]]
         assert [line[len("event: "):] for line in lines[0::2]] == [e["type"] for e in events], response.text[-500:]
         assert events[-1]["type"] in ("message_stop", "error"), response.text[-500:]
     elif content_type.startswith("text/event-stream") and case.operation.path == "/infill":
-        events = [_strict_json(line[len("data: "):]) for line in response.text.splitlines() if line.startswith("data: ")]
+        events = [_strict_json(line[len("data: "):]) for line in _sse_lines(response.text) if line.startswith("data: ")]
         assert events and (events[-1].get("stop") is True or "error" in events[-1]), response.text[-500:]
     elif content_type.startswith("text/event-stream") and case.operation.path == "/v1/responses":
-        lines = [line for line in response.text.splitlines() if line]
+        lines = [line for line in _sse_lines(response.text) if line]
         events = [_strict_json(line[len("data: "):]) for line in lines[1::2]]
         assert [line[len("event: "):] for line in lines[0::2]] == [e["type"] for e in events], response.text[-500:]
         assert events[-1]["type"] in ("response.completed", "response.incomplete", "response.failed")
     elif content_type.startswith("text/event-stream"):
-        events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+        events = [line[len("data: "):] for line in _sse_lines(response.text) if line.startswith("data: ")]
         assert events and events[-1] == "[DONE]", response.text[-500:]
         for event in events[:-1]:
             payload = _strict_json(event)

@@ -76,6 +76,32 @@ def test_streamed_tool_call(client, model_id):
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["tool_calls"]
 
 
+PYTHON_TOOL = [{"type": "function", "function": {
+    "name": "python", "description": "Run Python code and return what it prints",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}]
+
+
+def test_call_written_without_tags_is_a_tool_call(client, model_id):
+    """Unconstrained, the 0.5B coder writes its call as a fenced ```json block or a bare object,
+    not in <tool_call> tags (tests/data/tool_answers.json): still a call, whole or streamed,
+    and never content."""
+    ask = dict(model=model_id, messages=[{"role": "user", "content": "Say hello world with python."}],
+               tools=PYTHON_TOOL, temperature=0, max_tokens=60)
+    choice = client.chat.completions.create(**ask).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "python" and call.id.startswith("call")
+    assert "print(" in json.loads(call.function.arguments)["code"]
+
+    chunks = [ch for ch in client.chat.completions.create(**ask, stream=True) if ch.choices]
+    deltas = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.type, d.function.name, d.function.arguments) for d in deltas] == [
+        (0, "function", "python", call.function.arguments)]
+    assert deltas[0].id.startswith("call")
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ""
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices[0].finish_reason] == ["tool_calls"]
+
+
 def test_unknown_tool_choice_is_400(client, model_id):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
