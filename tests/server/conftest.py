@@ -97,3 +97,12 @@ def keyed_http(live_server) -> httpx.Client:
     with httpx.Client(base_url=live_server.url, headers={"Authorization": f"Bearer {live_server.api_key}"},
                       timeout=120) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def client(live_server):
+    """The official openai client on the live server (test_anthropic.py has its own `client`)."""
+    import openai
+
+    with openai.OpenAI(base_url=live_server.base_url, api_key=live_server.api_key, max_retries=0, timeout=120) as c:
+        yield c

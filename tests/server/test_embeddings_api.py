@@ -18,12 +18,6 @@ SENTENCES = [f"Sentence number {i} is about {topic}." for i, topic in enumerate(
 
 
 @pytest.fixture(scope="module")
-def client(live_server) -> openai.OpenAI:
-    with openai.OpenAI(base_url=live_server.base_url, api_key=live_server.api_key, max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def model(minilm_path) -> str:
     return minilm_path.stem
 

@@ -28,12 +28,6 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 
 @pytest.fixture(scope="module")
-def client(live_server) -> openai.OpenAI:
-    with openai.OpenAI(base_url=live_server.base_url, api_key=live_server.api_key, max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def http(keyed_http) -> httpx.Client:
     return keyed_http
 

@@ -19,12 +19,6 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def client(live_server) -> openai.OpenAI:
-    with openai.OpenAI(base_url=live_server.base_url, api_key=live_server.api_key, max_retries=0, timeout=120) as c:
-        yield c
-
-
 
 
 
