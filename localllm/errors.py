@@ -62,3 +62,20 @@ class DownloadError(LocalLLMError):
     """A pull failed: the hub cannot be reached or refused access, or the disk is full."""
 
     exit_code = 1
+
+
+class ModelNotFound(UsageError):
+    """A request named a model that is not served here (a door answers 404); the message lists
+    the names that are."""
+
+
+class ModelTooLarge(ModelLoadError):
+    """A model cannot fit even with every model that may be unloaded unloaded; the message says
+    how much it needs, how much could be free, and what to change."""
+
+
+class ModelBusy(LocalLLMError):
+    """The memory a model needs is held by models with requests in flight, and they stayed busy
+    past the manager's wait; or an unload was asked of a model that is serving (a door: 503)."""
+
+    exit_code = 1
