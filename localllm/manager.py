@@ -268,6 +268,10 @@ class ModelManager:
         tasks = [self._begin_unload(slot) for slot in self._slots if slot.state == "loaded"]
         await asyncio.gather(*(asyncio.shield(task) for task in tasks))
 
+    def loaded_models(self) -> list[Any]:
+        """What ``load`` returned for each model loaded now, in the entries' order."""
+        return [slot.model for slot in self._slots if slot.state == "loaded"]
+
     def status(self) -> list[ModelStatus]:
         now = self._clock()
         out = []
@@ -330,11 +334,14 @@ class ModelManager:
                 slot.model = await asyncio.to_thread(self._load, entry)
                 now = self._clock()
                 slot.state = "loaded"
+            # A model the loader had loaded already (before the server's loop ran) says how long
+            # that took as its ``load_s``.
+            seconds = getattr(slot.model, "load_s", None) or now - start
             slot.num_loads += 1
-            slot.last_load_s = now - start
-            slot.total_load_s += now - start
+            slot.last_load_s = seconds
+            slot.total_load_s += seconds
             slot.last_used, slot.deadline = now, now + self.keep_alive_s
-            log.info("loaded %s (%s) in %.2f s", entry.name, _gib(need), now - start)
+            log.info("loaded %s (%s) in %.2f s", entry.name, _gib(need), seconds)
             self._report_change()
         except BaseException:
             slot.state, slot.bytes = "unloaded", 0

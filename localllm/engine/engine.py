@@ -4,6 +4,7 @@ background thread, an asyncio stream per request)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -417,8 +418,11 @@ class AsyncEngine:
     """LLMEngine in a background thread. Each request is an async stream of RequestOutputs;
     ``abort`` may be called from any thread, and leaving a stream early aborts its request."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, step_lock=None):
         self.engine = engine
+        # Held around each step: one lock shared by the engines of several loaded models
+        # (threads.TurnLock), so their steps take turns on the CPU threads.
+        self._step_lock = step_lock if step_lock is not None else contextlib.nullcontext()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -520,7 +524,8 @@ class AsyncEngine:
                 self._wake.wait(0.5)
                 continue
             try:
-                outputs = self.engine.step()
+                with self._step_lock:
+                    outputs = self.engine.step()
             except Exception as e:
                 outputs = self.engine.fail_all(str(e))
                 for o in outputs:
