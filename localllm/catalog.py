@@ -19,6 +19,15 @@ _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.I)
 _QUANT = re.compile(r"(?<![A-Za-z0-9])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)(?![A-Za-z0-9])", re.I)
 
 
+def _builtin_catalog() -> bytes:
+    """models.toml: inside the installed package (the build copies it in), or at the top of a
+    source checkout (an editable install)."""
+    shipped = resources.files("localllm").joinpath("models.toml")
+    if shipped.is_file():
+        return shipped.read_bytes()
+    return (Path(__file__).resolve().parent.parent / "models.toml").read_bytes()
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     alias: str
@@ -42,8 +51,7 @@ class Catalog:
         else:  # pragma: no cover
             import tomli as tomllib
         try:
-            raw = (Path(path).read_bytes() if path is not None
-                   else resources.files("localllm").joinpath("models.toml").read_bytes())
+            raw = Path(path).read_bytes() if path is not None else _builtin_catalog()
             data = tomllib.loads(raw.decode("utf-8"))
         except (OSError, ValueError) as e:
             raise UsageError(f"the model catalog {path or 'models.toml'} cannot be read: {e}") from None

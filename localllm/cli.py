@@ -143,7 +143,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prefix_cache(run)
 
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible API on 127.0.0.1")
-    serve.add_argument("--model", dest="model", required=True, help="a .gguf path, an installed name (`localllm ls`) or a catalog alias you pulled")
+    serve.add_argument("--model", dest="model", action="append", default=[],
+                       help="load this model at start and keep it loaded (repeatable): a .gguf path, an installed "
+                            "name (`localllm ls`) or a catalog alias you pulled; every installed model is served "
+                            "either way, the others loaded on the first request that names them")
+    serve.add_argument("--upstream", action="append", default=[], metavar="NAME=URL",
+                       help="serve model NAME from another OpenAI-compatible server at URL (e.g. "
+                            "big=http://gpu-box:8000/v1; repeatable; more in upstreams.toml of the config folder)")
+    serve.add_argument("--keep-alive", default="5m", metavar="DURATION",
+                       help="how long a model stays loaded after its last request (default 5m; 0: unload at once; "
+                            "-1: never); a request's own keep_alive wins")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=_int_at_least(0), default=8000)
     serve.add_argument("--api-key", default=None,
@@ -165,6 +174,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_dtype(serve)
     _add_no_spec(serve)
     _add_prefix_cache(serve)
+
+    for name, text in (("ps", "list the models a running `localllm serve` has loaded"),
+                       ("stop", "unload a model from a running `localllm serve`")):
+        p = sub.add_parser(name, help=text)
+        if name == "stop":
+            p.add_argument("name", help="the model's name, as `localllm ps` shows it")
+        p.add_argument("--url", default="http://127.0.0.1:8000",
+                       help="the server (default http://127.0.0.1:8000; a /v1 at its end is fine)")
+        p.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
+        if name == "ps":
+            p.add_argument("--json", action="store_true", help="print the server's JSON")
 
     chat = sub.add_parser("chat", help="chat in the terminal (a Textual app)",
                           description="Chat in the terminal. Press F1 in the app for every key.")
@@ -384,12 +404,33 @@ def cmd_chat(args) -> int:
 def cmd_serve(args) -> int:
     from localllm.commands.serve import serve
     from localllm.config import ServerConfig
+    from localllm.manager import parse_keep_alive
 
+    parse_keep_alive(args.keep_alive)  # a bad one is a usage error now, not at the first request
     server_config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                                  cors_origins=tuple(args.cors_origin), max_queue=args.max_queue,
                                  read_timeout_s=args.read_timeout,
                                  embedding_model=_model_path(args.embedding_model) if args.embedding_model else None)
-    return serve(_engine_config(args), server_config)
+    from localllm import paths
+    from localllm.server.upstream import load_upstreams, parse_upstream
+
+    pinned = [_model_path(name) for name in args.model]
+    upstreams = {u.name: u for u in load_upstreams(paths.config_dir() / "upstreams.toml")}
+    upstreams |= {u.name: u for u in map(parse_upstream, args.upstream)}  # the command line wins
+    config = _engine_config(args, pinned[0] if pinned else Path("."))
+    return serve(config, server_config, pinned, args.keep_alive, list(upstreams.values()))
+
+
+def cmd_ps(args) -> int:
+    from localllm.commands.running import ps
+
+    return ps(args.url, args.api_key, as_json=args.json)
+
+
+def cmd_stop(args) -> int:
+    from localllm.commands.running import stop
+
+    return stop(args.url, args.api_key, args.name)
 
 
 def cmd_cache(args) -> int:
@@ -435,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         handler = {"run": cmd_run, "bench": cmd_bench, "serve": cmd_serve, "chat": cmd_chat,
                    "pull": cmd_pull, "ls": cmd_ls, "rm": cmd_rm, "show": cmd_show,
-                   "cache": cmd_cache, "doctor": cmd_doctor, "eval": cmd_eval}[args.command]
+                   "cache": cmd_cache, "doctor": cmd_doctor, "eval": cmd_eval,
+                   "ps": cmd_ps, "stop": cmd_stop}[args.command]
         return handler(args)
     except LocalLLMError as e:
         return _fail(str(e), e.exit_code)

@@ -11,6 +11,31 @@ from localllm.config import EngineConfig
 from localllm.errors import UsageError
 
 
+def server_models(endpoint: str, api_key: str | None, current: str) -> list[tuple[str, str]]:
+    """(model, label) for the picker of `chat --endpoint`: the server's chat and completion
+    models (its /v1/models; a localllm server says which are loaded), or the current one alone
+    where the server cannot be asked."""
+    import httpx
+
+    base = endpoint.rstrip("/")
+    base = base if base.endswith("/v1") else base + "/v1"
+    try:
+        r = httpx.get(f"{base}/models", headers={"Authorization": f"Bearer {api_key}"} if api_key else {}, timeout=10)
+        cards = [m for m in r.json()["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return [(current, current)] if current else []
+    out = []
+    for m in cards:
+        if m.get("kind") == "embedding":
+            continue
+        notes = [m["kind"]] if m.get("kind") else []
+        notes += ["loaded"] if m.get("loaded") else ([] if m.get("loaded") is None else ["loads when picked"])
+        out.append((m["id"], m["id"] + (f"   {' · '.join(notes)}" if notes else "")))
+    if current and current not in {model for model, _ in out}:
+        out.insert(0, (current, current))
+    return out
+
+
 def installed_models(store, current: str) -> list[tuple[str, str]]:
     """(model, label) for the picker: the installed models (`localllm ls`), .gguf files in the
     models folder, models earlier chats used that are still on disk, and the current one."""
@@ -66,7 +91,7 @@ def chat(engine_config: EngineConfig | None, model: str | None, *, endpoint: str
 
         app = ChatApp(factory, model, store, settings=settings, system=system, conversation=conversation,
                       list_models=lambda: installed_models(store, app.model) if endpoint is None
-                      else [(app.model, app.model)])
+                      else server_models(endpoint, api_key, app.backend.model_name if app.backend else app.model))
         result = app.run()
         return result if isinstance(result, int) else 0
     finally:

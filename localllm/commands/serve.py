@@ -1,78 +1,75 @@
-"""`localllm serve`: load the model, start the engine thread, serve its HTTP API (server/app.py)."""
+"""`localllm serve`: every installed model behind one port (server/models.py), the pinned ones
+(`--model`, `--embedding-model`) loaded before it starts; the HTTP API is server/app.py."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from localllm.config import EngineConfig, ServerConfig
-from localllm.errors import UsageError
 
 
-def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+def serve(engine_config: EngineConfig, server_config: ServerConfig, pinned: list[Path] | None = None,
+          keep_alive: str = "5m", upstreams: list | None = None) -> int:
+    """``pinned``: the files of --model (none: every installed model, each on demand)."""
     import uvicorn
 
-    from localllm.engine.engine import AsyncEngine, LLMEngine
     from localllm.server.app import create_app
     from localllm.server.limits import header_timeout_protocol
+    from localllm.server.models import serve_models
 
-    embedder = None
-    if server_config.embedding_model is not None:
-        from localllm.engine.embedder import Embedder, is_embedding_model
-
-        if not is_embedding_model(server_config.embedding_model):
-            raise UsageError(f"--embedding-model {server_config.embedding_model.name} is not an embedding model "
-                             "(no pooling type in its metadata); give one such as all-MiniLM-L6-v2 or nomic-embed-text")
-        embedder = Embedder(server_config.embedding_model, n_threads=engine_config.n_threads or None)
-    if is_chat_model_an_embedder(engine_config.model_path):
-        raise UsageError(f"--model {engine_config.model_path.name} is an embedding model; serve a chat model with "
-                         f"--model and this one with --embedding-model {engine_config.model_path}")
-    engine = AsyncEngine(LLMEngine(engine_config))
-    app = create_app(engine, engine_config.model_path, server_config, embedder)
-
-    class _Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            # End in-flight streams with an error event first, so shutdown never waits on them.
-            engine.shutdown()
-            super().handle_exit(sig, frame)
-            # uvicorn re-raises the signal after its shutdown, which would kill the process
-            # (exit -15) before the engine is closed; a clean shutdown exits 0 instead.
-            captured = getattr(self, "_captured_signals", None)
-            if captured is not None:
-                captured.clear()
-
-        async def startup(self, sockets=None):
-            await super().startup(sockets)
-            if self.started:
-                port = next((s.getsockname()[1] for srv in self.servers for s in srv.sockets), server_config.port)
-                base = f"http://{server_config.host}:{port}/v1"
-                model = app.state.server.model_id
-                print(f"localllm serve: {base}  model {model}", file=sys.stderr, flush=True)
-                if engine.engine.kv_pool_summary:
-                    print(f"KV cache: {engine.engine.kv_pool_summary}", file=sys.stderr, flush=True)
-                print(f"Context: {engine.engine.max_model_len} tokens per request, prompt and answer together",
-                      file=sys.stderr, flush=True)
-                print(f"Editors: add an OpenAI-compatible provider with base URL {base}, model {model}"
-                      f"{', and your --api-key' if server_config.api_key else ', any API key'}",
-                      file=sys.stderr, flush=True)
-
-    config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level="warning",
-                            timeout_graceful_shutdown=5, access_log=False,
-                            http=header_timeout_protocol(server_config.read_timeout_s))
+    embedding = [server_config.embedding_model] if server_config.embedding_model is not None else []
+    models = serve_models(engine_config, server_config, pinned or [], embedding, keep_alive, upstreams or [])
+    loader = models.loader
     try:
+        loaded = loader.preload()
+        app = create_app(models, server_config)
+
+        class _Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                # End in-flight streams with an error event first, so shutdown never waits on them.
+                models.shutdown_streams()
+                super().handle_exit(sig, frame)
+                # uvicorn re-raises the signal after its shutdown, which would kill the process
+                # (exit -15) before the engines are closed; a clean shutdown exits 0 instead.
+                captured = getattr(self, "_captured_signals", None)
+                if captured is not None:
+                    captured.clear()
+
+            async def startup(self, sockets=None):
+                await super().startup(sockets)
+                if self.started:
+                    port = next((s.getsockname()[1] for srv in self.servers for s in srv.sockets), server_config.port)
+                    _banner(server_config, port, models, loaded)
+
+        config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level="warning",
+                                timeout_graceful_shutdown=5, access_log=False,
+                                http=header_timeout_protocol(server_config.read_timeout_s))
         _Server(config).run()
     finally:
-        engine.shutdown()
-        engine.engine.close()
-        if embedder is not None:
-            embedder.close()
+        loader.close_preloaded()
+        for model in models.loaded():  # the lifespan's close did not run (a failed start)
+            model.close()
     return 0
 
 
-def is_chat_model_an_embedder(path) -> bool:
-    from localllm.engine.embedder import is_embedding_model
-    from localllm.errors import LocalLLMError
-
-    try:
-        return is_embedding_model(path)
-    except LocalLLMError:  # an unreadable file: the engine's load says what is wrong with it
-        return False
+def _banner(server_config: ServerConfig, port: int, models, loaded) -> None:
+    base = f"http://{server_config.host}:{port}/v1"
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    default = next((e.name for e in models.manager.entries if e.kind != "embedding"), None)
+    say(f"localllm serve: {base}  model {default or '(none: embedding models only)'}")
+    chats = [model for model in loaded if model.server is not None]
+    for model in chats:
+        engine = model.server.engine.engine
+        of = "" if len(chats) == 1 else f" of {model.entry.name}"
+        if engine.kv_pool_summary:
+            say(f"KV cache{of}: {engine.kv_pool_summary}")
+        say(f"Context{of}: {engine.max_model_len} tokens per request, prompt and answer together")
+    on_demand = [e.name for e in models.manager.entries if not e.pinned]
+    if on_demand:
+        say(f"Also served, loaded on the first request that names one: {', '.join(on_demand)}")
+    for upstream in models.forwarder.upstreams.values():
+        say(f"Forwarded: {upstream.name} -> {upstream.url} (model {upstream.model})")
+    if default is not None:
+        say(f"Editors: add an OpenAI-compatible provider with base URL {base}, model {default}"
+            f"{', and your --api-key' if server_config.api_key else ', any API key'}")

@@ -27,6 +27,7 @@ from localllm.server.core import Choice, Server, ToolCall, json_or_text, sse
 from localllm.server.anthropic_protocol import (CountTokensRequest, MessageOut, MessagesRequest, TextOut, ThinkingOut,
                                                 TokenCount, ToolResultBlock, ToolUseOut, Usage)
 from localllm.server.errors import APIError, error_body
+from localllm.server.models import ServedModels
 
 
 def _text_of(content: str | list, where: str) -> str:
@@ -260,14 +261,14 @@ class _Blocks:
         return events + self.close()
 
 
-def add_routes(app: FastAPI, server: Server) -> None:
-    door = AnthropicMessages(server)
-
+def add_routes(app: FastAPI, models: ServedModels) -> None:
     @app.post("/v1/messages", response_model=None,
               responses={200: {"model": MessageOut, "content": {"text/event-stream": {}}}})
     async def messages(body: MessagesRequest, request: Request):
-        return await door.create(body, request)
+        async with models.lease(body.model, body.keep_alive) as lease:
+            return lease.hand_over(await AnthropicMessages(lease.server).create(body, request))
 
     @app.post("/v1/messages/count_tokens", response_model=TokenCount)
     async def count_tokens(body: CountTokensRequest):
-        return await door.count_tokens(body)
+        async with models.lease(body.model, body.keep_alive) as lease:
+            return await AnthropicMessages(lease.server).count_tokens(body)

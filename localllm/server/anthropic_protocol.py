@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from localllm.server.protocol import Int
+from localllm.server.protocol import Int, KeepAlive
 
 # -- requests --------------------------------------------------------------------------------
 
@@ -108,6 +108,7 @@ class Metadata(_Request):
 
 class CountTokensRequest(_Request):
     model: str
+    keep_alive: KeepAlive = None
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None

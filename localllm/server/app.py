@@ -17,6 +17,8 @@ schema (so documented and fuzzed once).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import hmac
 from functools import partial
 from pathlib import Path
@@ -29,19 +31,39 @@ from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from localllm import __version__
+from pydantic import BaseModel, ConfigDict
+
 from localllm.config import ServerConfig
-from localllm.engine.engine import AsyncEngine
-from localllm.errors import ContextOverflowError, LocalLLMError
+from localllm.engine.metrics import EngineStats
+from localllm.errors import ContextOverflowError, LocalLLMError, ModelBusy, ModelNotFound
+from localllm.manager import ModelEntry
 from localllm.paths import responses_db
 from localllm.server import anthropic_messages, embeddings, infill, openai_chat, openai_responses, tokens
 from localllm.server import protocol as P
-from localllm.server.core import Server
+from localllm.server.models import LoadedModel, ServedModels
 from localllm.server.errors import (AnthropicErrorBody, APIError, ErrorBody, api_error_response, error_response,
                                     speaks_anthropic)
 from localllm.server.limits import BodyGuard
 from localllm.server.response_store import ResponseStore
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none"}
+
+
+class StopRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+
+
+def sum_stats(stats: list[EngineStats]) -> EngineStats:
+    """The loaded models' engines as one: counts summed, thread figures the most of any."""
+    if not stats:
+        return EngineStats(**{f.name: 0 for f in dataclasses.fields(EngineStats)} | {"threads_adaptive": False})
+    total = {}
+    for f in dataclasses.fields(EngineStats):
+        values = [getattr(s, f.name) for s in stats]
+        total[f.name] = any(values) if f.name == "threads_adaptive" else (
+            max(values) if f.name.startswith("threads_") else sum(values))
+    return EngineStats(**total)
 
 
 def param_name(loc) -> str | None:
@@ -87,29 +109,55 @@ class KeyGuard:
         await self.app(scope, receive, send)
 
 
-def model_card(server: Server) -> P.ModelCard:
-    """The served model with its context: `context_length` (the most tokens one request may
-    hold, prompt and answer), vLLM's `max_model_len` and llama-server's `meta`."""
-    return P.ModelCard(id=server.model_id, context_length=server.max_model_len, max_model_len=server.max_model_len,
-                       meta=P.ModelMeta(n_ctx=server.max_model_len, n_ctx_train=server.n_ctx_train,
-                                        n_vocab=server.tokenizer.n_vocab))
+def model_card(models: ServedModels, entry: ModelEntry, loaded: LoadedModel | None) -> P.ModelCard:
+    """A served model with its kind, whether it is loaded, and its context: `context_length`
+    (the most tokens one request may hold, prompt and answer: the loaded engine's, else what
+    its plan gives or its trained context), vLLM's `max_model_len` and llama-server's `meta`."""
+    n_ctx_train = n_vocab = None
+    if loaded is not None and loaded.server is not None:
+        server = loaded.server
+        ctx, n_ctx_train, n_vocab = server.max_model_len, server.n_ctx_train, server.tokenizer.n_vocab
+    elif loaded is not None:
+        ctx, n_vocab = loaded.embedder.n_ctx, loaded.embedder.n_vocab
+    else:
+        ctx = models.ctx_of(entry)
+        if ctx is None or entry.kind != "embedding":
+            n_ctx_train = _trained_context(entry.path)
+            ctx = ctx or n_ctx_train or 0
+    return P.ModelCard(id=entry.name, context_length=ctx, max_model_len=ctx, kind=entry.kind,
+                       loaded=loaded is not None, meta=P.ModelMeta(n_ctx=ctx, n_ctx_train=n_ctx_train, n_vocab=n_vocab))
 
 
-def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig, embedder=None) -> FastAPI:
-    """The app over ``engine`` (the chat model at ``model_path``) and, when given, ``embedder``
-    (engine/embedder.py: the embedding model of /v1/embeddings)."""
+def upstream_card(upstream) -> P.ModelCard:
+    """A model another server serves (upstream.py): its context is that server's to say."""
+    return P.ModelCard(id=upstream.name, owned_by=upstream.url, context_length=None, max_model_len=None,
+                       kind="chat", loaded=True, meta=P.ModelMeta(n_ctx=None, n_ctx_train=None, n_vocab=None))
+
+
+def _trained_context(path: Path) -> int | None:
     from localllm.gguf import read_info
 
     try:
-        n_ctx_train = read_info(model_path).context_length
-    except (OSError, LocalLLMError):  # the runner loaded it; only this figure is missing
-        n_ctx_train = None
-    server = Server(engine, model_path, config, n_ctx_train)
-    app = FastAPI(title="localllm", version=__version__,
-                  description="localllm's API on a local model: OpenAI's chat completions, completions "
+        return read_info(path).context_length
+    except (OSError, LocalLLMError):
+        return None
+
+
+def create_app(models: ServedModels, config: ServerConfig) -> FastAPI:
+    """The app over ``models`` (server/models.py: every model it serves, loaded on demand)."""
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await models.start()  # the pinned models (loaded already by `serve`, or on demand here)
+        try:
+            yield
+        finally:
+            await models.close()
+
+    app = FastAPI(title="localllm", version=__version__, lifespan=lifespan,
+                  description="localllm's API on local models: OpenAI's chat completions, completions "
                               "and responses, embeddings, Anthropic's messages, llama.cpp's infill, tokenize and "
-                              "detokenize.")
-    app.state.server = server
+                              "detokenize; every installed model by its name, loaded on demand.")
+    app.state.models = models
 
     # Each middleware added wraps those before it, so a request meets them in the reverse order:
     # CORS (a browser's preflight carries no key), the key (checked before any body is read),
@@ -169,39 +217,88 @@ def create_app(engine: AsyncEngine, model_path: Path, config: ServerConfig, embe
     async def on_unexpected(request: Request, e: Exception):
         return error_json(request, 500, f"internal error: {type(e).__name__}: {e}", type_="server_error")
 
-    openai_chat.add_routes(app, server)
-    openai_responses.add_routes(app, server, ResponseStore(responses_db()))
-    anthropic_messages.add_routes(app, server)
-    infill.add_routes(app, server)
-    tokens.add_routes(app, server)
-    embeddings.add_routes(app, server, embedder)
+    openai_chat.add_routes(app, models)
+    openai_responses.add_routes(app, models, ResponseStore(responses_db()))
+    anthropic_messages.add_routes(app, models)
+    infill.add_routes(app, models)
+    tokens.add_routes(app, models)
+    embeddings.add_routes(app, models)
 
-    cards = [model_card(server)]
-    if embedder is not None:  # listed second: clients that take the first model get the chat model
-        cards.append(P.ModelCard(id=embedder.name, context_length=embedder.n_ctx, max_model_len=embedder.n_ctx,
-                                 meta=P.ModelMeta(n_ctx=embedder.n_ctx, n_ctx_train=None, n_vocab=embedder.n_vocab)))
+    def cards() -> list[P.ModelCard]:
+        """Every served model: the default chat model first (clients that take the first model
+        get it), embedding models after the others."""
+        loaded = {model.entry.name: model for model in models.loaded()}
+        entries = models.manager.entries
+        first = models.entry(None, "text") if any(e.kind != "embedding" for e in entries) else None
+        ordered = sorted(entries, key=lambda e: (e is not first, e.kind == "embedding"))
+        return [model_card(models, e, loaded.get(e.name)) for e in ordered] + [
+            upstream_card(u) for u in models.forwarder.upstreams.values()]
 
     @app.get("/v1/models", response_model=P.ModelList)
-    async def models():
-        return P.ModelList(data=cards)
+    async def list_models():
+        await models.start()  # the pinned models are loaded (the lifespan starts it; TestClient may not)
+        return P.ModelList(data=await asyncio.to_thread(cards))
 
     @app.get("/v1/models/{model_id}", response_model=P.ModelCard)
     async def model(model_id: str):
-        if embedder is not None and model_id in (embedder.name, embedder.name + ".gguf"):
-            return cards[1]
-        server.check_model(model_id)
-        return cards[0]
+        if (upstream := models.upstream(model_id)) is not None:
+            return upstream_card(upstream)
+        try:
+            entry = models.manager.resolve(model_id)
+        except ModelNotFound:
+            raise APIError(404, models.not_found(model_id), param="model", code="model_not_found") from None
+        await models.start()
+        loaded = {m.entry.name: m for m in models.loaded()}
+        return await asyncio.to_thread(model_card, models, entry, loaded.get(entry.name))
 
     _add_unversioned_routes(app)
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": server.model_id}
+        loaded = [m.entry.name for m in models.loaded()]
+        try:
+            default = models.entry(None, "text").name
+        except APIError:
+            default = None
+        return {"status": "ok", "model": default, "loaded": loaded}
+
+    @app.get("/api/ps")
+    async def ps():
+        """The models loaded now (`localllm ps`), as Ollama's /api/ps lists them, with more."""
+        cards_by_name = {m.entry.name: m for m in models.loaded()}
+        out = []
+        for s in models.manager.status():
+            if s.state == "unloaded":
+                continue
+            loaded = cards_by_name.get(s.name)
+            out.append({"name": s.name, "model": s.name, "kind": s.kind, "state": s.state, "size": s.bytes,
+                        "pinned": s.pinned, "in_flight": s.in_flight, "idle_s": s.idle_s,
+                        "keep_alive_left_s": s.keep_alive_left_s, "loads": s.num_loads, "unloads": s.num_unloads,
+                        "last_load_s": s.last_load_s,
+                        "context_length": models.ctx_of(loaded.entry) if loaded is not None else None})
+        return {"models": out}
+
+    @app.post("/api/stop")
+    async def stop(body: StopRequest):
+        """Unload a model now (`localllm stop NAME`); one serving requests is a 409."""
+        if models.upstream(body.model) is not None:
+            raise APIError(400, f"'{body.model}' is served by an upstream server; there is nothing here to unload",
+                           param="model", code="model_is_upstream")
+        try:
+            entry = models.manager.resolve(body.model)
+            unloaded = await models.manager.unload(entry.name)
+        except ModelNotFound:
+            raise APIError(404, models.not_found(body.model), param="model", code="model_not_found") from None
+        except ModelBusy as e:
+            raise APIError(409, str(e), param="model", code="model_busy") from None
+        return {"model": entry.name, "unloaded": unloaded}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        stats = await asyncio.wrap_future(engine.call(lambda e: e.stats()))
-        body, content_type = server.metrics.render(stats, server.num_in_flight)
+        servers = [m.server for m in models.loaded() if m.server is not None]
+        stats = [await asyncio.wrap_future(s.engine.call(lambda e: e.stats())) for s in servers]
+        body, content_type = models.metrics.render(sum_stats(stats), sum(s.num_in_flight for s in servers),
+                                                   models.manager.status())
         return Response(body, media_type=content_type)
 
     app.openapi = partial(_openapi_with_errors, app.openapi)

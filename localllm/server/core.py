@@ -75,16 +75,20 @@ class ToolCall:
 
 
 class Server:
-    def __init__(self, engine: AsyncEngine, model_path: Path, config: ServerConfig, n_ctx_train: int | None = None):
+    def __init__(self, engine: AsyncEngine, model_path: Path, config: ServerConfig, n_ctx_train: int | None = None,
+                 name: str | None = None, names: tuple[str, ...] = (), metrics: ServerMetrics | None = None):
+        """One loaded model's request path; ``name`` is what responses call it (default: the
+        file's stem), ``names`` every name that reaches it; ``metrics`` may be shared by the
+        models of one server."""
         self.engine = engine
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.n_ctx_train = n_ctx_train
         self.max_num_seqs = engine.engine.config.scheduler.max_num_seqs
         self.config = config
-        self.model_id = Path(model_path).stem
-        self.model_names = {self.model_id, Path(model_path).name}
-        self.metrics = ServerMetrics()
+        self.model_id = name or Path(model_path).stem
+        self.model_names = {self.model_id, Path(model_path).stem, Path(model_path).name, *names}
+        self.metrics = metrics if metrics is not None else ServerMetrics()
         self.num_in_flight = 0
         # Whether the model's chat template thinks (a <think> block before the answer).
         self.template_thinks = reasoning_markers(getattr(self.tokenizer, "template_source", None)) is not None

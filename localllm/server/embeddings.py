@@ -19,13 +19,13 @@ import base64
 from typing import Literal
 
 import numpy as np
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from localllm.errors import UsageError
-from localllm.server.core import Server
 from localllm.server.errors import APIError
-from localllm.server.protocol import Int
+from localllm.server.models import ServedModels
+from localllm.server.protocol import Int, KeepAlive
 
 MAX_INPUTS = 2048  # OpenAI's limit for one request
 
@@ -33,6 +33,7 @@ MAX_INPUTS = 2048  # OpenAI's limit for one request
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None  # absent: the embedding model
+    keep_alive: KeepAlive = None
     input: str | list[str] | list[Int] | list[list[Int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Int | None = Field(default=None, ge=1)
@@ -58,25 +59,13 @@ class EmbeddingList(BaseModel):
 
 
 class Embeddings:
-    def __init__(self, server: Server, embedder=None):
-        self.server, self.embedder = server, embedder
-        self.names = {embedder.name, embedder.name + ".gguf"} if embedder is not None else set()
+    """One request's embeddings from the embedding model its lease holds (models.py checks
+    that the model named is one; none named: the first served)."""
 
-    def check_model(self, name: str | None) -> None:
-        if name in self.names or (name is None and self.embedder is not None):
-            return
-        served = (f"this server embeds with '{self.embedder.name}': name that model, or leave model out"
-                  if self.embedder is not None else
-                  "this server was started without an embedding model (such as all-MiniLM-L6-v2 or "
-                  "nomic-embed-text), so it serves no embeddings")
-        if name in self.server.model_names:
-            raise APIError(400, f"'{name}' is a chat model, not an embedding model; {served}",
-                           param="model", code="model_not_embedding")
-        unknown = f"The model '{name}' does not exist; " if name is not None else ""
-        raise APIError(404, unknown + served, param="model", code="model_not_found")
+    def __init__(self, embedder, name: str):
+        self.embedder, self.name = embedder, name
 
     async def embed(self, req: EmbeddingRequest) -> dict:
-        self.check_model(req.model)
         embedder = self.embedder
         inputs = self.token_lists(req.input)
         if req.dimensions is not None and req.dimensions > embedder.dim:
@@ -96,7 +85,7 @@ class Embeddings:
                 else v.tolist()
             data.append(Embedding(index=i, embedding=value))
         num_tokens = sum(len(ids) for ids in inputs)
-        return EmbeddingList(data=data, model=embedder.name,
+        return EmbeddingList(data=data, model=self.name,
                              usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)).model_dump()
 
     def token_lists(self, value) -> list[list[int]]:
@@ -123,9 +112,10 @@ class Embeddings:
         return lists
 
 
-def add_routes(app: FastAPI, server: Server, embedder=None) -> None:
-    door = Embeddings(server, embedder)
-
+def add_routes(app: FastAPI, models: ServedModels) -> None:
     @app.post("/v1/embeddings", response_model=EmbeddingList)
-    async def embeddings(body: EmbeddingRequest):
-        return await door.embed(body)
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        if (upstream := models.upstream(body.model)) is not None:
+            return await models.forwarder.forward(upstream, "/embeddings", request)
+        async with models.lease(body.model, body.keep_alive, kind="embedding") as lease:
+            return await Embeddings(lease.embedder, lease.model.entry.name).embed(body)

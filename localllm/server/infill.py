@@ -24,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from localllm.errors import LocalLLMError, UsageError
 from localllm.server.core import Choice, Server, sse
 from localllm.server.errors import APIError
-from localllm.server.protocol import Int
+from localllm.server.models import ServedModels
+from localllm.server.protocol import Int, KeepAlive
 
 
 class ExtraFile(BaseModel):
@@ -36,6 +37,7 @@ class ExtraFile(BaseModel):
 class InfillRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
+    keep_alive: KeepAlive = None
     input_prefix: str = ""
     input_suffix: str = ""
     input_extra: list[ExtraFile] = Field(default_factory=list, max_length=256)
@@ -148,10 +150,10 @@ def _time_limit(t_max_predict_ms: int | None):
     return over
 
 
-def add_routes(app: FastAPI, server: Server) -> None:
-    door = Infill(server)
+def add_routes(app: FastAPI, models: ServedModels) -> None:
 
     @app.post("/infill", response_model=None,
               responses={200: {"model": InfillResult, "content": {"text/event-stream": {}}}})
     async def infill(body: InfillRequest, request: Request):
-        return await door.infill(body, request)
+        async with models.lease(body.model, body.keep_alive) as lease:
+            return lease.hand_over(await Infill(lease.server).infill(body, request))

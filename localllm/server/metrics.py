@@ -4,7 +4,7 @@ Each app gets its own registry: nothing global, nothing created at import."""
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from localllm.engine.metrics import EngineStats, RequestMetrics
 
@@ -25,6 +25,32 @@ class _EngineCounters:
                                   value=self.num_draft_proposed)
         yield CounterMetricFamily("localllm_draft_tokens_accepted", "Draft tokens the model agreed with",
                                   value=self.num_draft_accepted)
+
+
+class _ModelFigures:
+    """The model manager's figures per model (label ``model``), as they stand at the scrape."""
+
+    def __init__(self):
+        self.status: list = []  # manager.ModelStatus of every served model
+
+    def collect(self):
+        loaded = GaugeMetricFamily("localllm_model_loaded", "1: the model is loaded now", labels=["model"])
+        size = GaugeMetricFamily("localllm_model_bytes", "Memory planned for the loaded model (weights and KV)",
+                                 labels=["model"])
+        in_flight = GaugeMetricFamily("localllm_model_requests_in_flight", "Requests holding the model",
+                                      labels=["model"])
+        loads = CounterMetricFamily("localllm_model_loads", "Times the model was loaded", labels=["model"])
+        unloads = CounterMetricFamily("localllm_model_unloads", "Times the model was unloaded", labels=["model"])
+        seconds = CounterMetricFamily("localllm_model_load_seconds", "Seconds spent loading the model",
+                                      labels=["model"])
+        for s in self.status:
+            loaded.add_metric([s.name], int(s.loaded))
+            size.add_metric([s.name], s.bytes)
+            in_flight.add_metric([s.name], s.in_flight)
+            loads.add_metric([s.name], s.num_loads)
+            unloads.add_metric([s.name], s.num_unloads)
+            seconds.add_metric([s.name], s.total_load_s)
+        yield from (loaded, size, in_flight, loads, unloads, seconds)
 
 
 class ServerMetrics:
@@ -63,6 +89,8 @@ class ServerMetrics:
                                           "1: threads follow the machine's load; 0: fixed by --threads", registry=r)
         self.engine_counters = _EngineCounters()
         r.register(self.engine_counters)
+        self.models = _ModelFigures()
+        r.register(self.models)
 
     def observe(self, m: RequestMetrics | None) -> None:
         if m is None:
@@ -79,7 +107,10 @@ class ServerMetrics:
         self.disk_cached_tokens.inc(m.num_disk_cached_tokens)
         self.generated_tokens.inc(m.num_generated_tokens)
 
-    def render(self, stats: EngineStats, num_in_flight: int = 0) -> tuple[bytes, str]:
+    def render(self, stats: EngineStats, num_in_flight: int = 0, models: list | None = None) -> tuple[bytes, str]:
+        """The text of a scrape: ``stats`` of the loaded models' engines together (app.sum_stats),
+        ``models`` the manager's status of each served model."""
+        self.models.status = list(models or ())
         self.waiting.set(stats.num_waiting)
         self.in_flight.set(num_in_flight)
         self.runner_seqs.set(stats.num_runner_seqs)

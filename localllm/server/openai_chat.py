@@ -19,6 +19,7 @@ from localllm.server import protocol as P
 from localllm.reasoning import Answer
 from localllm.server.core import Choice, Server, json_or_text, sse
 from localllm.server.errors import APIError
+from localllm.server.models import ServedModels
 
 EVENT_STREAM = {"text/event-stream": {}}  # with "stream": true: SSE events of the chunk objects
 
@@ -347,15 +348,19 @@ def message_dict(m: P.ChatMessage) -> dict:
     return msg
 
 
-def add_routes(app: FastAPI, server: Server) -> None:
-    door = OpenAIChat(server)
-
+def add_routes(app: FastAPI, models: ServedModels) -> None:
     @app.post("/v1/chat/completions", response_model=None,
               responses={200: {"model": P.ChatCompletion, "content": EVENT_STREAM}})
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
-        return await door.chat(body, request)
+        if (upstream := models.upstream(body.model)) is not None:
+            return await models.forwarder.forward(upstream, "/chat/completions", request)
+        async with models.lease(body.model, body.keep_alive) as lease:
+            return lease.hand_over(await OpenAIChat(lease.server).chat(body, request))
 
     @app.post("/v1/completions", response_model=None,
               responses={200: {"model": P.Completion, "content": EVENT_STREAM}})
     async def completions(body: P.CompletionRequest, request: Request):
-        return await door.completions(body, request)
+        if (upstream := models.upstream(body.model)) is not None:
+            return await models.forwarder.forward(upstream, "/completions", request)
+        async with models.lease(body.model, body.keep_alive) as lease:
+            return lease.hand_over(await OpenAIChat(lease.server).completions(body, request))

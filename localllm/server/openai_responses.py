@@ -25,6 +25,7 @@ from localllm.errors import LocalLLMError
 from localllm.reasoning import Answer
 from localllm.server.core import Choice, Server, ToolCall, json_or_text, sse
 from localllm.server.errors import APIError
+from localllm.server.models import ServedModels
 from localllm.server.response_store import ResponseStore
 from localllm.server.responses_protocol import (HostedTool, MessageItem, NamedFunction, NamespaceTool, ResponseObject,
                                                 ResponsesRequest)
@@ -67,7 +68,7 @@ def call_item(call: ToolCall, req: ResponsesRequest) -> dict:
 
 
 class OpenAIResponses:
-    def __init__(self, server: Server, store: ResponseStore):
+    def __init__(self, server: Server | None, store: ResponseStore):
         self.server, self.store = server, store
 
     async def conversation(self, req: ResponsesRequest) -> list[dict]:
@@ -298,13 +299,14 @@ class _Output:
                 self.event("response.output_item.done", output_index=index, item=item)]
 
 
-def add_routes(app: FastAPI, server: Server, store: ResponseStore) -> None:
-    door = OpenAIResponses(server, store)
+def add_routes(app: FastAPI, models: ServedModels, store: ResponseStore) -> None:
+    door = OpenAIResponses(None, store)  # kept responses need no model
 
     @app.post("/v1/responses", response_model=None,
               responses={200: {"model": ResponseObject, "content": {"text/event-stream": {}}}})
     async def create(body: ResponsesRequest, request: Request):
-        return await door.create(body, request)
+        async with models.lease(body.model, body.keep_alive) as lease:
+            return lease.hand_over(await OpenAIResponses(lease.server, store).create(body, request))
 
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject)
     async def retrieve(response_id: str):

@@ -22,6 +22,11 @@ def _whole(value):
 Int = Annotated[int, BeforeValidator(_whole)]
 
 
+# Ollama's keep_alive: how long the model stays loaded after this request ("5m", 300, 0: unload
+# after it, -1: keep it loaded); checked by manager.parse_keep_alive (a bad one is a 400).
+KeepAlive = float | str | None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -87,6 +92,7 @@ class NamedToolChoice(_Request):
 
 class _Sampling(_Request):
     model: str | None = None  # absent: the served model (llama-server and vLLM take it so)
+    keep_alive: KeepAlive = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: Int = Field(default=1, ge=1, le=8)
@@ -293,9 +299,9 @@ class ModelMeta(BaseModel):
     """llama-server's `meta` of a model: the context this server gives a request, the one the
     model was trained for (null where its file does not say), its vocabulary."""
 
-    n_ctx: int
+    n_ctx: int | None
     n_ctx_train: int | None
-    n_vocab: int
+    n_vocab: int | None  # null for a model not loaded yet
 
 
 class ModelCard(BaseModel):
@@ -303,8 +309,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "localllm"
-    context_length: int  # tokens one request may hold, prompt and answer together
-    max_model_len: int  # the same, by vLLM's name
+    context_length: int | None  # tokens one request may hold, prompt and answer together (None: upstream's)
+    max_model_len: int | None  # the same, by vLLM's name
+    kind: Literal["chat", "completion", "embedding"] = "chat"  # completion: no chat template (a base model)
+    loaded: bool = True  # in memory now; one that is not loads on its first request
     meta: ModelMeta
 
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from localllm.server.protocol import Int
+from localllm.server.protocol import Int, KeepAlive
 
 # -- requests --------------------------------------------------------------------------------
 
@@ -135,6 +135,7 @@ class ResponsesRequest(_Request):
     and ignored."""
 
     model: str | None = None  # absent: the served model
+    keep_alive: KeepAlive = None
     input: str | list[Item]
     instructions: str | None = None
     tools: list[Tool] | None = None

@@ -20,12 +20,14 @@ from pydantic import BaseModel, ConfigDict
 from localllm.errors import UsageError
 from localllm.server.core import Server
 from localllm.server.errors import APIError
-from localllm.server.protocol import Int
+from localllm.server.models import ServedModels
+from localllm.server.protocol import Int, KeepAlive
 
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
+    keep_alive: KeepAlive = None
     content: str
     add_special: bool = False
     parse_special: bool = True
@@ -44,6 +46,7 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
+    keep_alive: KeepAlive = None
     tokens: list[Int]
 
 
@@ -88,13 +91,13 @@ def _piece(data: bytes) -> str | list[int]:
         return list(data)
 
 
-def add_routes(app: FastAPI, server: Server) -> None:
-    door = Tokens(server)
-
+def add_routes(app: FastAPI, models: ServedModels) -> None:
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(body: TokenizeRequest):
-        return await door.tokenize(body)
+        async with models.lease(body.model, body.keep_alive) as lease:
+            return await Tokens(lease.server).tokenize(body)
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(body: DetokenizeRequest):
-        return await door.detokenize(body)
+        async with models.lease(body.model, body.keep_alive) as lease:
+            return await Tokens(lease.server).detokenize(body)

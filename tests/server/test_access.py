@@ -31,6 +31,7 @@ from fastapi.testclient import TestClient
 from localllm.config import ServerConfig
 from localllm.server import app as app_module
 from localllm.server.app import create_app
+from localllm.server.models import ServedModels
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 # Every route of the server with its methods; a new route must be added here, and so audited.
@@ -42,6 +43,7 @@ ROUTES = {
     ("/openapi.json", "GET"), ("/openapi.json", "HEAD"), ("/docs", "GET"), ("/docs", "HEAD"),
     ("/docs/oauth2-redirect", "GET"), ("/docs/oauth2-redirect", "HEAD"), ("/redoc", "GET"), ("/redoc", "HEAD"),
     ("/tokenize", "POST"), ("/detokenize", "POST"),
+    ("/api/ps", "GET"), ("/api/stop", "POST"),  # `localllm ps` and `localllm stop`
     # OpenAI's routes without /v1, as llama-server has them: the same handlers
     ("/chat/completions", "POST"), ("/completions", "POST"), ("/models", "GET"), ("/models/{model_id}", "GET"),
     ("/embeddings", "POST"), ("/responses", "POST"), ("/responses/{response_id}", "GET"),
@@ -147,7 +149,9 @@ def stub_app(tmp_path: Path, **config) -> tuple[TestClient, Path]:
     model_path = tmp_path / "served-model.gguf"
     engine = SimpleNamespace(engine=SimpleNamespace(
         tokenizer=SimpleNamespace(n_vocab=1000), max_model_len=1024, config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=4))))
-    return TestClient(create_app(engine, model_path, ServerConfig(**config)), raise_server_exceptions=True), model_path
+    config = ServerConfig(**config)
+    return TestClient(create_app(ServedModels.of(engine, model_path, config), config),
+                      raise_server_exceptions=True), model_path
 
 
 def test_cors_is_off_unless_origins_are_given(tmp_path):

@@ -170,7 +170,8 @@ def test_stop_mid_answer_and_the_server_stays_healthy(backend, http):
     after = run(collect(backend, FRANCE, GREEDY))
     assert after[-1] == Chunk(finished=True, finish_reason="stop")
     assert "".join(c.text for c in after).strip().rstrip(".") == "Paris"
-    assert http.get("/health").json() == {"status": "ok", "model": backend.model_name}
+    health = http.get("/health").json()
+    assert (health["status"], health["model"]) == ("ok", backend.model_name) and backend.model_name in health["loaded"]
 
 
 def test_a_prompt_longer_than_the_server_s_context(backend, http):
@@ -219,3 +220,13 @@ def test_max_tokens_beyond_the_server_s_context_answers_until_it_is_full(backend
     assert "".join(c.text for c in chunks) == expected["choices"][0]["message"]["content"]
     assert chunks[-1] == Chunk(finished=True, finish_reason="stop")
     wait_idle(http)
+
+
+def test_the_model_picker_of_chat_endpoint_lists_the_server_s_models(live_server):
+    from localllm.commands.chat import server_models
+
+    model = live_server.model_path.stem
+    assert server_models(live_server.base_url, live_server.api_key, "") == [(model, f"{model}   chat · loaded")]
+    # The embedding model the server also serves is not offered for chat; a server that cannot
+    # be asked leaves the current model alone.
+    assert server_models("http://127.0.0.1:9/v1", None, "m") == [("m", "m")]

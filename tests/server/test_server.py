@@ -395,7 +395,8 @@ def test_wrong_and_missing_key_are_401(live_server, model_id):
         err = error_body(httpx.post(f"{live_server.base_url}/chat/completions", json=body, headers=headers), 401)
         assert err["code"] == "invalid_api_key"
     # Outside /v1 nothing needs the key.
-    assert httpx.get(f"{live_server.url}/health").json() == {"status": "ok", "model": model_id}
+    assert httpx.get(f"{live_server.url}/health").json() == {"status": "ok", "model": model_id,
+                                                             "loaded": [model_id, "all-minilm-l6-v2-f16"]}
 
 
 def test_unknown_route_is_404(http):

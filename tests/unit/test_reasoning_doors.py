@@ -18,6 +18,7 @@ from test_tokenizer import FakeVocab
 from localllm.config import ServerConfig
 from localllm.engine.engine import RequestOutput
 from localllm.server.app import create_app
+from localllm.server.models import ServedModels
 from localllm.tokenizer import Tokenizer
 
 QWEN3 = (Path(__file__).parents[1] / "data" / "chat_templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
@@ -47,7 +48,8 @@ class ScriptedEngine:
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     engine = ScriptedEngine(Tokenizer(FakeVocab(chat_template=QWEN3), name="qwen3-like"))
-    client = TestClient(create_app(engine, tmp_path_factory.mktemp("m") / "qwen3.gguf", ServerConfig()))
+    config = ServerConfig()
+    client = TestClient(create_app(ServedModels.of(engine, tmp_path_factory.mktemp("m") / "qwen3.gguf", config), config))
     return client, engine
 
 
