@@ -198,6 +198,17 @@ class ModelManager:
         """need_bytes of every model loaded, loading or unloading."""
         return sum(slot.bytes for slot in self._slots)
 
+    def add(self, entry: ModelEntry) -> ModelEntry:
+        """Serve one more model (the chat app adds each file it is asked for); the entry that
+        already has ``entry.name``, if one does."""
+        if entry.name in self._by_name:
+            return self._by_name[entry.name].entry
+        slot = _Slot(entry)
+        self._slots.append(slot)
+        for name in entry.names:
+            self._by_name.setdefault(name, slot)
+        return entry
+
     def resolve(self, name: str | None) -> ModelEntry:
         """The entry ``name`` reaches; None: the default (the first pinned, else the first)."""
         return self._slot(name).entry

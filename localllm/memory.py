@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from localllm.config import EngineConfig
-from localllm.errors import ModelLoadError
+from localllm.errors import ModelLoadError, ModelTooLarge
 from localllm.gguf import GGUFInfo
 
 HEADROOM_BASE = 512 << 20
@@ -172,3 +172,50 @@ def sized(config: EngineConfig, runner: str) -> tuple[EngineConfig, KVPlan]:
 
     kv_plan = plan_for(config, runner)
     return replace(config, cache=replace(config.cache, n_ctx=kv_plan.tokens)), kv_plan
+
+
+class SharedMemory:
+    """The memory the models of one process share (the ModelManager's ``need_bytes`` and
+    ``free_bytes``, for `serve` and the chat app): what was free when it was made (available
+    RAM, the GPU's free VRAM, or ``--memory``) less the headroom, less what the loaded models
+    hold. Each model is planned by ``plan`` as if it had all of it: ``--ctx`` tokens of KV, or
+    what fits up to its trained context; ``config_for`` is the EngineConfig that loads it so."""
+
+    EMBEDDER_BYTES = 64 << 20  # an embedding model's compute buffers beyond its file
+
+    def __init__(self, base: EngineConfig):
+        self.base = base
+        self.runner = "torch" if base.runner == "torch" else "llamacpp"
+        free, self.where = machine_free(base, self.runner)
+        self.total = free
+        self.budget = None if free is None else free - HEADROOM_BASE - int(HEADROOM_SHARE * free)
+        self.ctx: dict[str, int] = {}  # model name -> KV tokens planned
+        self.manager = None  # the ModelManager whose loaded models hold memory
+
+    def need_bytes(self, entry) -> int:
+        """Weights and KV pool of ``entry`` (a manager.ModelEntry); ModelTooLarge when it
+        cannot fit even alone (the plan's message has the sizes)."""
+        from localllm.gguf import read_info
+
+        if entry.kind == "embedding":
+            return entry.path.stat().st_size + self.EMBEDDER_BYTES
+        cache = self.base.cache
+        try:
+            kv = plan(read_info(entry.path), cache.kv_dtype, self.runner, cache.n_ctx, self.total, self.where,
+                      cache.block_size)
+        except ModelLoadError as e:
+            raise ModelTooLarge(str(e)) from None
+        self.ctx[entry.name] = kv.tokens
+        return kv.weights_bytes + kv.kv_bytes
+
+    def free_bytes(self) -> int | None:
+        if self.budget is None:
+            return None
+        return self.budget - (self.manager.loaded_bytes if self.manager is not None else 0)
+
+    def config_for(self, entry) -> EngineConfig:
+        from dataclasses import replace
+
+        if entry.name not in self.ctx:
+            self.need_bytes(entry)
+        return replace(self.base, model_path=entry.path, cache=replace(self.base.cache, n_ctx=self.ctx[entry.name]))

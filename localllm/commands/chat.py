@@ -63,7 +63,7 @@ def installed_models(store, current: str) -> list[tuple[str, str]]:
 def chat(engine_config: EngineConfig | None, model: str | None, *, endpoint: str | None = None,
          api_key: str | None = None, system: str = "", resume: str | None = None,
          settings=None, catalog=None) -> int:
-    from localllm.tui.backend import LocalBackend, RemoteBackend
+    from localllm.tui.backend import LocalBackend, LocalModels, RemoteBackend
     from localllm.tui.conversations import ConversationStore
 
     store = ConversationStore(paths.history_db())
@@ -75,6 +75,7 @@ def chat(engine_config: EngineConfig | None, model: str | None, *, endpoint: str
                 raise UsageError("there is no saved conversation to resume" if resume == "" else
                                  f"no saved conversation {resume!r}; open `localllm chat` and press "
                                  "ctrl+b to see the saved ones")
+        models = None
         if endpoint is not None:
             RemoteBackend(endpoint)  # a malformed URL is a usage error now, not inside the app
 
@@ -83,13 +84,15 @@ def chat(engine_config: EngineConfig | None, model: str | None, *, endpoint: str
             model = model or (conversation.model if conversation else "") or ""
         else:
             model = str(_pick_model(model, conversation, store, catalog))
+            models = LocalModels(engine_config)  # ctrl+o switches models through it
 
             def factory(name: str):
-                return LocalBackend(dataclasses.replace(engine_config, model_path=Path(name)))
+                return LocalBackend(dataclasses.replace(engine_config, model_path=Path(name)), models)
 
         from localllm.tui.app import ChatApp
 
         app = ChatApp(factory, model, store, settings=settings, system=system, conversation=conversation,
+                      models=models,
                       list_models=lambda: installed_models(store, app.model) if endpoint is None
                       else server_models(endpoint, api_key, app.backend.model_name if app.backend else app.model))
         result = app.run()

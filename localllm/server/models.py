@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,6 @@ from localllm.server.upstream import Forwarder, Upstream
 log = logging.getLogger("localllm.server")
 
 TEXT_KINDS = ("chat", "completion")
-EMBEDDER_BYTES = 64 << 20  # an embedding model's compute buffers beyond its file
 
 
 @dataclass(eq=False)
@@ -314,42 +313,35 @@ def installed_entries(pinned: Sequence[Path], embedding: Sequence[Path] = ()) ->
 
 
 class Loader:
-    """Plans and loads the models of one `localllm serve`: ``need_bytes``, ``free_bytes`` and
-    ``load`` for the ModelManager (see the module docstring for the rule)."""
+    """Loads the models of one `localllm serve` for the ModelManager, planned by
+    memory.SharedMemory (see the module docstring for the rule)."""
 
     def __init__(self, base: EngineConfig, config: ServerConfig, metrics: ServerMetrics):
         from localllm.engine.threads import TurnLock
-        from localllm.memory import HEADROOM_BASE, HEADROOM_SHARE, machine_free
+        from localllm.memory import SharedMemory
 
         self.base, self.config, self.metrics = base, config, metrics
-        self.runner = "torch" if base.runner == "torch" else "llamacpp"
-        free, self.where = machine_free(base, self.runner)
-        self.total = free  # what memory.plan plans each model against
-        self.budget = None if free is None else free - HEADROOM_BASE - int(HEADROOM_SHARE * free)
-        self.ctx: dict[str, int] = {}  # entry name -> KV tokens planned
+        self.memory = SharedMemory(base)
         self.turns = TurnLock()
-        self.manager: ModelManager | None = None
         self.preloaded: dict[str, LoadedModel] = {}  # loaded before the server's loop started
 
-    def need_bytes(self, entry: ModelEntry) -> int:
-        from localllm.gguf import read_info
-        from localllm.memory import plan
+    @property
+    def manager(self) -> ModelManager | None:
+        return self.memory.manager
 
-        if entry.kind == "embedding":
-            return entry.path.stat().st_size + EMBEDDER_BYTES
-        info = read_info(entry.path)
-        try:
-            kv = plan(info, self.base.cache.kv_dtype, self.runner, self.base.cache.n_ctx, self.total,
-                      self.where, self.base.cache.block_size)
-        except ModelLoadError as e:  # it cannot fit even alone: the plan says its sizes
-            raise ModelTooLarge(str(e)) from None
-        self.ctx[entry.name] = kv.tokens
-        return kv.weights_bytes + kv.kv_bytes
+    @manager.setter
+    def manager(self, manager: ModelManager) -> None:
+        self.memory.manager = manager
+
+    @property
+    def budget(self) -> int | None:
+        return self.memory.budget
+
+    def need_bytes(self, entry: ModelEntry) -> int:
+        return self.memory.need_bytes(entry)
 
     def free_bytes(self) -> int | None:
-        if self.budget is None:
-            return None
-        return self.budget - (self.manager.loaded_bytes if self.manager is not None else 0)
+        return self.memory.free_bytes()
 
     def load(self, entry: ModelEntry) -> LoadedModel:
         from localllm.engine.engine import AsyncEngine, LLMEngine
@@ -361,11 +353,7 @@ class Loader:
             from localllm.engine.embedder import Embedder
 
             return LoadedModel(entry, embedder=Embedder(entry.path, n_threads=self.base.n_threads or None))
-        if entry.name not in self.ctx:
-            self.need_bytes(entry)
-        config = replace(self.base, model_path=entry.path,
-                         cache=replace(self.base.cache, n_ctx=self.ctx[entry.name]))
-        engine = AsyncEngine(LLMEngine(config), step_lock=self.turns)
+        engine = AsyncEngine(LLMEngine(self.memory.config_for(entry)), step_lock=self.turns)
         try:
             n_ctx_train = read_info(entry.path).context_length
         except (OSError, LocalLLMError):
@@ -400,7 +388,7 @@ class Loader:
         if total > self.budget:
             each = ", ".join(f"{name} {_gib(n)}" for name, n in sizes)
             raise UsageError(f"the pinned models do not fit together: they need {_gib(total)} ({each}) and "
-                             f"{_gib(self.budget)} is free for models ({self.where}, less headroom); pin fewer "
+                             f"{_gib(self.budget)} is free for models ({self.memory.where}, less headroom); pin fewer "
                              "(--model), lower --ctx, or allow more memory (--memory)")
 
 
@@ -423,6 +411,6 @@ def serve_models(base: EngineConfig, config: ServerConfig, pinned: Sequence[Path
     manager = ModelManager(entries, load=loader.load, need_bytes=loader.need_bytes, free_bytes=loader.free_bytes,
                            keep_alive_s=keep_alive)
     loader.manager = manager
-    served = ServedModels(manager, metrics, plans=loader.ctx, upstreams=upstreams)
+    served = ServedModels(manager, metrics, plans=loader.memory.ctx, upstreams=upstreams)
     served.loader = loader
     return served

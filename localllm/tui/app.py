@@ -74,8 +74,10 @@ class ChatApp(App[int]):
     def __init__(self, backend_factory: Callable[[str], ChatBackend], model: str, store: ConversationStore,
                  settings: GenerationSettings | None = None, system: str = "",
                  conversation: Conversation | None = None,
-                 list_models: Callable[[], list[tuple[str, str]]] | None = None):
+                 list_models: Callable[[], list[tuple[str, str]]] | None = None, models=None):
+        """``models``: the LocalModels the backends lease from (closed when the app ends)."""
         super().__init__()
+        self.models = models
         self.backend_factory = backend_factory
         self.model = conversation.model if conversation is not None and conversation.model else model
         self.store = store
@@ -130,7 +132,9 @@ class ChatApp(App[int]):
     async def on_unmount(self) -> None:
         if self.backend is not None:
             self.backend.stop()
-            await asyncio.to_thread(self.backend.close)
+            await _close(self.backend)
+        if self.models is not None:  # every model the manager still holds
+            await self.models.close()
 
     # -- loading a model ------------------------------------------------------------------
 
@@ -142,10 +146,13 @@ class ChatApp(App[int]):
         self.status.set_state("loading", model)
         old, self.backend = self.backend, None
         if old is not None:
-            await asyncio.to_thread(old.close)
+            await _close(old)
         try:
             backend = self.backend_factory(model)
-            await asyncio.to_thread(backend.load)
+            if hasattr(backend, "aload"):  # a model leased from the app's model manager
+                await backend.aload()
+            else:
+                await asyncio.to_thread(backend.load)
         except LocalLLMError as e:
             loading.display = False
             self.status.set_state("no model", model)
@@ -552,3 +559,10 @@ class ChatApp(App[int]):
             yield SystemCommand(title, help_text, getattr(self, f"action_{action}"))
         yield from super().get_system_commands(screen)
 
+
+async def _close(backend) -> None:
+    """Close a backend, or give its model back to the app's model manager."""
+    if hasattr(backend, "aclose"):
+        await backend.aclose()
+    else:
+        await asyncio.to_thread(backend.close)

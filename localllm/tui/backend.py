@@ -141,11 +141,50 @@ def reserve_for(settings: GenerationSettings, n_ctx: int) -> int:
     return min(settings.max_tokens, max(n_ctx // 8, 16))
 
 
-class LocalBackend:
-    """The engine in this process (AsyncEngine on its own thread)."""
+class LocalModels:
+    """The chat app's models in this process, held by the same ModelManager as `localllm serve`
+    holds its own: the model in use is leased; one switched away from stays loaded (5 minutes
+    idle, or until another needs its memory), so switching back to it is instant."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, base: EngineConfig):
+        from localllm.manager import ModelManager
+        from localllm.memory import SharedMemory
+
+        self.memory = SharedMemory(base)
+        self.manager = ModelManager([], self._load, self.memory.need_bytes, self.memory.free_bytes)
+        self.memory.manager = self.manager
+
+    def entry(self, path: Path):
+        from localllm.manager import ModelEntry
+
+        return self.manager.add(ModelEntry(str(Path(path).resolve()), Path(path)))
+
+    def _load(self, entry) -> "_LoadedEngine":
+        from localllm.engine.engine import AsyncEngine, LLMEngine
+
+        return _LoadedEngine(AsyncEngine(LLMEngine(self.memory.config_for(entry))))
+
+    async def close(self) -> None:
+        await self.manager.close()
+
+
+class _LoadedEngine:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self.engine.engine.close()
+
+
+class LocalBackend:
+    """The engine in this process (AsyncEngine on its own thread): loaded by the backend itself,
+    or, with ``models`` (LocalModels), leased from the app's model manager (``aload``/``aclose``)."""
+
+    def __init__(self, config: EngineConfig, models: LocalModels | None = None):
         self.config = config
+        self._models = models
+        self._lease = None
         self.model_name = Path(config.model_path).name
         self.n_ctx: int | None = None
         self.pool_summary: str | None = None
@@ -160,6 +199,28 @@ class LocalBackend:
         self.n_ctx = engine.max_model_len
         self.pool_summary = engine.kv_pool_summary
         self._engine = AsyncEngine(engine)
+
+    async def aload(self) -> None:
+        """Lease the model from the app's LocalModels (loading it if it is not loaded)."""
+        if self._models is None:
+            await asyncio.to_thread(self.load)
+            return
+        entry = self._models.entry(self.config.model_path)
+        lease = self._models.manager.lease(entry.name)
+        loaded = await lease.__aenter__()
+        self._lease, self._engine = lease, loaded.engine
+        self.n_ctx = loaded.engine.engine.max_model_len
+        self.pool_summary = loaded.engine.engine.kv_pool_summary
+
+    async def aclose(self) -> None:
+        """Give the model back to the manager (it stays loaded while memory allows)."""
+        if self._models is None:
+            await asyncio.to_thread(self.close)
+            return
+        self.stop()
+        lease, self._lease, self._engine = self._lease, None, None
+        if lease is not None:
+            await lease.__aexit__(None, None, None)
 
     @property
     def tokenizer(self):
@@ -226,6 +287,8 @@ class LocalBackend:
                              stats.num_running, stats.num_waiting, stats.threads_decode, stats.threads_max)
 
     def close(self) -> None:
+        if self._models is not None:
+            return  # the manager owns the engine: aclose gives it back
         if self._engine is not None:
             self._engine.shutdown()
             self._engine.engine.close()

@@ -9,7 +9,7 @@ import pytest
 
 from localllm.config import CacheConfig, EngineConfig
 from localllm.tui.app import ChatApp
-from localllm.tui.backend import GenerationSettings, LocalBackend
+from localllm.tui.backend import GenerationSettings, LocalBackend, LocalModels
 from localllm.tui.conversations import ConversationStore
 
 
@@ -22,16 +22,18 @@ def store(tmp_path):
 
 @pytest.fixture
 def make_app(qwen_path, store):
-    """make_app(n_ctx=..., conversation=..., **ChatApp kwargs) -> ChatApp on the real model;
-    n_threads=0 (the default) lets the engine choose them, as `localllm chat` does."""
+    """make_app(n_ctx=..., conversation=..., **ChatApp kwargs) -> ChatApp on the real model, its
+    models leased from a LocalModels as `localllm chat` leases them; n_threads=0 (the default)
+    lets the engine choose them, as `localllm chat` does."""
 
     def make(n_ctx: int = 2048, max_tokens: int = 48, n_threads: int = 0, **kwargs) -> ChatApp:
         config = EngineConfig(model_path=qwen_path, cache=CacheConfig(n_ctx=n_ctx), n_threads=n_threads)
+        models = LocalModels(config)
 
         def factory(model: str) -> LocalBackend:
-            return LocalBackend(dataclasses.replace(config, model_path=Path(model)))
+            return LocalBackend(dataclasses.replace(config, model_path=Path(model)), models)
 
         kwargs.setdefault("settings", GenerationSettings(temperature=0, max_tokens=max_tokens))
-        return ChatApp(factory, str(qwen_path), store, **kwargs)
+        return ChatApp(factory, str(qwen_path), store, models=models, **kwargs)
 
     return make

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import llama_cpp
 import pytest
 from textual.command import CommandPalette
@@ -262,8 +264,8 @@ async def test_delete_key_in_the_list_deletes_the_highlighted_chat(make_app, sto
 
 # -- model, system prompt, settings -------------------------------------------------------------
 
-async def test_ctrl_o_picks_another_model(make_app, gemma_path, store):
-    app = make_app(list_models=lambda: [(str(app.model), "qwen"), (str(gemma_path), "gemma")])
+async def test_ctrl_o_picks_another_model(make_app, qwen_path, gemma_path, store):
+    app = make_app(list_models=lambda: [(str(qwen_path), "qwen"), (str(gemma_path), "gemma")])
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
         await pilot.press("ctrl+o")
@@ -280,6 +282,13 @@ async def test_ctrl_o_picks_another_model(make_app, gemma_path, store):
         assert "chat template" in error.content
         assert app.prompt.text == "hello"
         assert store.list() == []
+        # Back to Qwen: the model manager kept it loaded (memory allows both), so no second load.
+        await pilot.press("ctrl+o")
+        await pilot.press("up", "enter")
+        await wait_ready(pilot)
+        assert app.model == str(qwen_path) and app.backend.model_name == qwen_path.name
+        loads = {Path(s.name).name: (s.state, s.num_loads, s.in_flight) for s in app.models.manager.status()}
+        assert loads == {qwen_path.name: ("loaded", 1, 1), gemma_path.name: ("loaded", 1, 0)}
 
 
 async def test_a_model_that_fails_to_load_says_so_inline(make_app, tmp_path):
