@@ -54,9 +54,14 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, pinned: list
 
 
 def _banner(server_config: ServerConfig, port: int, models, loaded) -> None:
+    from localllm.server.errors import APIError
+
     base = f"http://{server_config.host}:{port}/v1"
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    default = next((e.name for e in models.manager.entries if e.kind != "embedding"), None)
+    try:
+        default = models.entry(None, "text").name
+    except APIError:  # embedding models only
+        default = None
     say(f"localllm serve: {base}  model {default or '(none: embedding models only)'}")
     chats = [model for model in loaded if model.server is not None]
     for model in chats:

@@ -193,7 +193,8 @@ class ServedModels:
                 if not fits:
                     raise APIError(404 if kind == "embedding" else 400, _no_model_of(kind, entries),
                                    param="model", code="model_not_found")
-                return next((e for e in fits if e.pinned), fits[0])
+                # The first pinned, else the first chat model (a base model answers no chat).
+                return next((e for e in fits if e.pinned), next((e for e in fits if e.kind == "chat"), fits[0]))
             entry = self.manager.resolve(name)
         except ModelNotFound:
             raise APIError(404, self.not_found(name), param="model", code="model_not_found") from None

@@ -40,6 +40,8 @@ def test_a_request_reaches_its_model_by_any_name_and_the_door_s_default_without_
     assert models.entry("qwen-q4.gguf", "text").name == "qwen"  # the file's name, as llama-server's clients send
     assert models.entry("base", "text").name == "base"
     assert models.entry(None, "text").name == "qwen"
+    base_first = ServedModels(ModelManager(ENTRIES[1::-1], lambda e: None, lambda e: 1, lambda: None))
+    assert base_first.entry(None, "text").name == "qwen"  # a chat model before a base model listed first
     assert models.entry(None, "embedding").name == "minilm"
 
 
