@@ -55,6 +55,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_serve(home: Path, threads: int, *args: str) -> tuple[subprocess.Popen, httpx.Client]:
+    """`localllm serve` over the models installed in ``home`` (its log in home/serve.log), once
+    it answers /health."""
+    port = free_port()
+    with open(home / "serve.log", "wb") as log:
+        server = subprocess.Popen([sys.executable, "-m", "localllm.cli", "serve", "--port", str(port), "--ctx",
+                                   str(CTX), *args, *(["--threads", str(threads)] if threads else [])],
+                                  env=os.environ | {"LOCALLLM_HOME": str(home)}, stdout=log, stderr=subprocess.STDOUT)
+    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
+    for _ in range(240):
+        try:
+            if http.get("/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.25)
+    return server, http
+
+
 def ttft(http: httpx.Client, model: str, prompt: str) -> float:
     start = time.perf_counter()
     with http.stream("POST", "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1,
@@ -75,19 +93,8 @@ def swap_cost(rounds: int, threads: int) -> None:
         subprocess.run([sys.executable, "-m", "localllm.cli", "pull", str(path)], env=env, check=True,
                        capture_output=True)
         names.append(path.stem)
-    port = free_port()
-    log = open(home / "serve.log", "wb")
-    server = subprocess.Popen([sys.executable, "-m", "localllm.cli", "serve", "--port", str(port), "--ctx", str(CTX),
-                               "--keep-alive", "-1", *(["--threads", str(threads)] if threads else [])],
-                              env=env, stdout=log, stderr=subprocess.STDOUT)
+    server, http = start_serve(home, threads, "--keep-alive", "-1")
     try:
-        http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
-        for _ in range(240):
-            try:
-                if http.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.25)
         arms = ("short, not loaded", "short, loaded", "long, not loaded", "long, after an unload")
         figures = {name: {arm: [] for arm in arms} for name in names}
 
@@ -117,7 +124,6 @@ def swap_cost(rounds: int, threads: int) -> None:
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=30)
-        log.close()
 
 
 def decode_rate(http: httpx.Client, model: str, tag: str) -> float:
@@ -140,20 +146,8 @@ def pair(rounds: int, threads: int) -> None:
 
     paths = [model_path(name) for name in MODELS]
     home = Path(tempfile.mkdtemp(prefix="localllm-pair-"))
-    port = free_port()
-    log = open(home / "serve.log", "wb")
-    server = subprocess.Popen([sys.executable, "-m", "localllm.cli", "serve", "--port", str(port), "--ctx", str(CTX),
-                               *(a for p in paths for a in ("--model", str(p))),
-                               *(["--threads", str(threads)] if threads else [])],
-                              env=os.environ | {"LOCALLLM_HOME": str(home)}, stdout=log, stderr=subprocess.STDOUT)
+    server, http = start_serve(home, threads, *(a for p in paths for a in ("--model", str(p))))
     try:
-        http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
-        for _ in range(240):
-            try:
-                if http.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.25)
         names = [p.stem for p in paths]
         alone = {name: [] for name in names}
         together = {name: [] for name in names}
@@ -171,7 +165,6 @@ def pair(rounds: int, threads: int) -> None:
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=30)
-        log.close()
 
 
 def trimmed_rss() -> int:
