@@ -10,7 +10,8 @@
 
 2. Two models at once: both pinned, one stream to each (128 tokens, greedy), alone and then both
    together; each one's decode tokens/s. Their engines' steps take turns (threads.TurnLock),
-   each on the machine's threads.
+   each on the machine's threads. The same in-process, turns against each engine stepping
+   freely (A B, alternating the order each round).
 
 3. Load/unload cycles in-process, through the server's own Loader and a ModelManager: each
    cycle leases the model with keep_alive 0 (a load, one token, an unload); RSS (after
@@ -167,6 +168,53 @@ def pair(rounds: int, threads: int) -> None:
         server.wait(timeout=30)
 
 
+def pair_locks(rounds: int, threads: int) -> None:
+    """Two models streaming at once in-process: their steps under one TurnLock, as `serve` runs
+    them, against each engine stepping whenever it likes (both on the machine's threads)."""
+    from localllm.config import CacheConfig, EngineConfig
+    from localllm.engine.engine import AsyncEngine, LLMEngine
+    from localllm.engine.request import SamplingParams
+    from localllm.engine.threads import TurnLock
+
+    params = SamplingParams(temperature=0.0, max_tokens=128, speculative=False)
+    names = [model_path(name).stem for name in MODELS]
+    engines = [LLMEngine(EngineConfig(model_path=model_path(name), cache=CacheConfig(n_ctx=1024), n_threads=threads))
+               for name in MODELS]
+
+    async def rate(engine: AsyncEngine, tag: str) -> float:
+        first, tokens = None, 0
+        async for out in engine.generate(f"# {tag}\n1, 2, 3, 4,", params):
+            tokens += len(out.token_ids)
+            first = first or time.perf_counter()
+        return (tokens - 1) / (time.perf_counter() - first)
+
+    async def arm(lock, tag: str, which=(0, 1)) -> list[float]:
+        wrapped = [AsyncEngine(engines[i], step_lock=lock) for i in which]
+        try:
+            return list(await asyncio.gather(*(rate(e, tag) for e in wrapped)))
+        finally:
+            for e in wrapped:
+                e.shutdown()
+
+    figures = {arm_name: {name: [] for name in names} for arm_name in ("alone", "turns", "free")}
+    for r in range(rounds):
+        for i, name in enumerate(names):
+            figures["alone"][name] += asyncio.run(arm(None, f"alone {r}", (i,)))
+        order = ("turns", "free") if r % 2 == 0 else ("free", "turns")
+        for arm_name in order:
+            rates = asyncio.run(arm(TurnLock() if arm_name == "turns" else None, f"{arm_name} {r}"))
+            for name, value in zip(names, rates):
+                figures[arm_name][name].append(value)
+    for name in names:
+        f = {k: median(v[name]) for k, v in figures.items()}
+        print(f"{name} in-process: alone {f['alone']:.1f} tokens/s; beside the other's stream, steps taking turns "
+              f"{f['turns']:.1f}, stepping freely {f['free']:.1f} (medians of {rounds})")
+    total = {k: sum(median(v[name]) for name in names) for k, v in figures.items() if k != "alone"}
+    print(f"both streams together: turns {total['turns']:.1f} tokens/s, free {total['free']:.1f} tokens/s")
+    for engine in engines:
+        engine.close()
+
+
 def trimmed_rss() -> int:
     gc.collect()
     ctypes.CDLL(None).malloc_trim(0)
@@ -222,6 +270,7 @@ def main() -> None:
         swap_cost(args.rounds, args.threads)
     if not args.skip_pair:
         pair(args.rounds, args.threads)
+        pair_locks(args.rounds, args.threads)
     if args.cycles:
         cycles(args.cycles, args.threads)
 

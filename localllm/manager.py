@@ -166,7 +166,8 @@ class ModelManager:
                  need_bytes: Callable[[ModelEntry], int], free_bytes: Callable[[], int | None],
                  keep_alive_s: float | str = 300.0, clock: Callable[[], float] = time.monotonic,
                  room_timeout_s: float = 60.0, reap_interval_s: float = 1.0,
-                 on_change: Callable[[list[ModelEntry]], None] | None = None):
+                 on_change: Callable[[list[ModelEntry]], None] | None = None,
+                 on_load: Callable[[ModelEntry, float], None] | None = None):
         self._slots = [_Slot(entry) for entry in entries]
         self._by_name: dict[str, _Slot] = {}
         for slot in self._slots:  # a model's own name wins over another's file name
@@ -184,6 +185,7 @@ class ModelManager:
         self.room_timeout_s = room_timeout_s
         self.reap_interval_s = reap_interval_s
         self._on_change = on_change
+        self._on_load = on_load  # (entry, seconds) after each load: a door's metrics
         self._plan_lock = asyncio.Lock()  # one load (and the room it makes) at a time
         self._changed = asyncio.Event()  # set and replaced on every change (see _notify)
         self._reaper: asyncio.Task | None = None
@@ -353,6 +355,11 @@ class ModelManager:
             slot.total_load_s += seconds
             slot.last_used, slot.deadline = now, now + self.keep_alive_s
             log.info("loaded %s (%s) in %.2f s", entry.name, _gib(need), seconds)
+            if self._on_load is not None:
+                try:
+                    self._on_load(entry, seconds)
+                except Exception:
+                    log.exception("the model manager's on_load hook failed")
             self._report_change()
         except BaseException:
             slot.state, slot.bytes = "unloaded", 0

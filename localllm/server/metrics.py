@@ -10,6 +10,7 @@ from localllm.engine.metrics import EngineStats, RequestMetrics
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+_LOAD_BUCKETS = (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class _EngineCounters:
@@ -41,16 +42,13 @@ class _ModelFigures:
                                       labels=["model"])
         loads = CounterMetricFamily("localllm_model_loads", "Times the model was loaded", labels=["model"])
         unloads = CounterMetricFamily("localllm_model_unloads", "Times the model was unloaded", labels=["model"])
-        seconds = CounterMetricFamily("localllm_model_load_seconds", "Seconds spent loading the model",
-                                      labels=["model"])
         for s in self.status:
             loaded.add_metric([s.name], int(s.loaded))
             size.add_metric([s.name], s.bytes)
             in_flight.add_metric([s.name], s.in_flight)
             loads.add_metric([s.name], s.num_loads)
             unloads.add_metric([s.name], s.num_unloads)
-            seconds.add_metric([s.name], s.total_load_s)
-        yield from (loaded, size, in_flight, loads, unloads, seconds)
+        yield from (loaded, size, in_flight, loads, unloads)
 
 
 class ServerMetrics:
@@ -91,6 +89,12 @@ class ServerMetrics:
         r.register(self.engine_counters)
         self.models = _ModelFigures()
         r.register(self.models)
+        self.load_seconds = Histogram("localllm_model_load_seconds", "Seconds each load of the model took",
+                                      ["model"], registry=r, buckets=_LOAD_BUCKETS)
+
+    def observe_load(self, entry, seconds: float) -> None:
+        """A model manager's on_load: one load of ``entry`` took ``seconds``."""
+        self.load_seconds.labels(entry.name).observe(seconds)
 
     def observe(self, m: RequestMetrics | None) -> None:
         if m is None:

@@ -410,7 +410,7 @@ def serve_models(base: EngineConfig, config: ServerConfig, pinned: Sequence[Path
     loader = Loader(base, config, metrics)
     loader.check_pinned(entries)
     manager = ModelManager(entries, load=loader.load, need_bytes=loader.need_bytes, free_bytes=loader.free_bytes,
-                           keep_alive_s=keep_alive)
+                           keep_alive_s=keep_alive, on_load=metrics.observe_load)
     loader.manager = manager
     served = ServedModels(manager, metrics, plans=loader.memory.ctx, upstreams=upstreams)
     served.loader = loader

@@ -183,7 +183,11 @@ def test_ps_and_stop_talk_to_the_running_server(one_fits, http, home, names):
     assert unknown.returncode == 2 or unknown.returncode == 1
     assert "does not exist" in unknown.stderr
     metrics = http.get("/metrics").text
-    assert f'localllm_model_loads_total{{model="{qwen}"}}' in metrics
+    loads = next(line for line in metrics.splitlines() if line.startswith(f'localllm_model_loads_total{{model="{qwen}"}}'))
+    timed = next(line for line in metrics.splitlines()
+                 if line.startswith(f'localllm_model_load_seconds_count{{model="{qwen}"}}'))
+    assert float(loads.split()[-1]) == float(timed.split()[-1]) >= 2  # every load timed in the histogram
+    assert f'localllm_model_loaded{{model="{qwen}"}} 0.0' in metrics
 
 
 def test_a_model_that_cannot_fit_gets_its_sizes_and_the_other_still_answers(home, qwen_path, gemma_path, names,

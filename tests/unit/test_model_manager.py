@@ -454,3 +454,28 @@ async def test_on_change_hears_every_load_and_unload():
     await use(manager, "a")
     await use(manager, "b", keep_alive=0)
     assert heard == [["a"], [], ["b"], []]
+
+
+def test_every_load_is_reported_with_its_seconds_and_a_model_loaded_before_says_its_own():
+    clock, reported = Clock(), []
+    machine = Machine({"a": GiB, "b": GiB}, None)
+
+    def load(entry: ModelEntry) -> FakeModel:
+        clock.now += 2.5
+        model = FakeModel(machine, entry.name, 0)
+        if entry.name == "b":
+            model.load_s = 7.0  # loaded before the manager took it (serve's pinned models)
+        return model
+
+    manager = ModelManager(entries("a", "b"), load, lambda e: GiB, lambda: None, clock=clock,
+                           on_load=lambda e, s: reported.append((e.name, s)))
+
+    async def main():
+        for name in ("a", "b", "a"):
+            async with manager.lease(name, keep_alive=0):
+                pass
+        await manager.close()
+
+    asyncio.run(main())
+    assert reported == [("a", 2.5), ("b", 7.0), ("a", 2.5)]
+    assert [(s.name, s.num_loads, s.total_load_s) for s in manager.status()] == [("a", 2, 5.0), ("b", 1, 7.0)]
