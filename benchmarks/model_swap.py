@@ -9,9 +9,9 @@
    Median of --rounds rounds, each with prompts of its own.
 
 2. Two models at once: both pinned, one stream to each (128 tokens, greedy), alone and then both
-   together; each one's decode tokens/s. Their engines' steps take turns (threads.TurnLock),
-   each on the machine's threads. The same in-process, turns against each engine stepping
-   freely (A B, alternating the order each round).
+   together; each one's decode tokens/s, their engines stepping freely (each with its
+   ThreadChooser). The same in-process: stepping freely against steps taking turns under one
+   lock (A B, alternating the order each round).
 
 3. Load/unload cycles in-process, through the server's own Loader and a ModelManager: each
    cycle leases the model with keep_alive 0 (a load, one token, an unload); RSS (after
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import ctypes
 import gc
 import json
@@ -168,13 +169,38 @@ def pair(rounds: int, threads: int) -> None:
         server.wait(timeout=30)
 
 
+class TurnLock:
+    """A lock handed over in the order it was asked for (a threading.Lock lets the thread that
+    released it take it again at once): two engines' steps under it alternate."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._waiting: collections.deque = collections.deque()
+        self._held = False
+
+    def __enter__(self) -> "TurnLock":
+        me = object()
+        with self._cond:
+            self._waiting.append(me)
+            while self._held or self._waiting[0] is not me:
+                self._cond.wait()
+            self._waiting.popleft()
+            self._held = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
+
+
 def pair_locks(rounds: int, threads: int) -> None:
-    """Two models streaming at once in-process: their steps under one TurnLock, as `serve` runs
-    them, against each engine stepping whenever it likes (both on the machine's threads)."""
+    """Two models streaming at once in-process: each engine stepping whenever it likes, as
+    `serve` runs them, against their steps taking turns under one TurnLock (both with the
+    machine's threads and their ThreadChoosers)."""
     from localllm.config import CacheConfig, EngineConfig
     from localllm.engine.engine import AsyncEngine, LLMEngine
     from localllm.engine.request import SamplingParams
-    from localllm.engine.threads import TurnLock
 
     params = SamplingParams(temperature=0.0, max_tokens=128, speculative=False)
     names = [model_path(name).stem for name in MODELS]

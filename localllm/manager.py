@@ -27,13 +27,11 @@ Every servable model is a ``ModelEntry``; a door asks for one by any of its name
 - ``unload(name)`` refuses a model with leases in flight (``ModelBusy``) rather than wait for
   them: a stream may run for minutes, and ``localllm stop`` should answer now.
 
-CPU threads with two models loaded: each engine keeps the machine's thread count (its own
-ThreadChooser), and the engines' steps take turns (one lock, shared by the engines the loader
-builds, held around each step). Two engines stepping at once on every core oversubscribe them,
-and llama.cpp's workers spinning at barriers then run several times slower
-(engine/threads.py); fixed shares of the cores instead leave half of them idle while only one
-model is busy. ``on_change(loaded_entries)`` is called after every load and unload: the hook
-for a loader that sets thread counts by what is loaded.
+CPU threads with two models loaded: each engine steps on its own thread with its own
+ThreadChooser, which sees the other engine's steps as load and moves to fewer threads (on 2
+cores, about one each). Steps taking turns under one lock, each on every core, were measured
+slower (docs/benchmarks.md). ``on_change(loaded_entries)`` is called after every load and
+unload: the hook for a loader that sets thread counts by what is loaded.
 """
 
 from __future__ import annotations

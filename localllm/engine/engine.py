@@ -420,8 +420,8 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, step_lock=None):
         self.engine = engine
-        # Held around each step: one lock shared by the engines of several loaded models
-        # (threads.TurnLock), so their steps take turns on the CPU threads.
+        # Held around each step when given (benchmarks/model_swap.py measures two models' engines
+        # taking turns under one lock: slower than each stepping freely, which `serve` does).
         self._step_lock = step_lock if step_lock is not None else contextlib.nullcontext()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()

@@ -41,9 +41,7 @@ measurable. A fixed count (``--threads N``) turns all of it off.
 
 from __future__ import annotations
 
-import collections
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -310,29 +308,3 @@ class IdleCpus:
             return None
         return (idle - last[0]) / self._ticks / (now - last[1])
 
-
-class TurnLock:
-    """A lock that hands itself over in the order it was asked for: the engines of several
-    loaded models (manager.py) hold it around each step, so their steps take turns on the
-    CPU threads rather than oversubscribe them, and none waits behind another's next step
-    (``threading.Lock`` lets the thread that just released it take it again at once)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._waiting: collections.deque = collections.deque()
-        self._held = False
-
-    def __enter__(self) -> "TurnLock":
-        me = object()
-        with self._cond:
-            self._waiting.append(me)
-            while self._held or self._waiting[0] is not me:
-                self._cond.wait()
-            self._waiting.popleft()
-            self._held = True
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with self._cond:
-            self._held = False
-            self._cond.notify_all()

@@ -18,9 +18,11 @@ Pinned models are planned in order, each against what the pinned before it left,
 together at start (else `serve` exits 2 with the sizes). With the small models of an editor
 (a chat model, a FIM model, an embedding model) all of them fit side by side on a laptop.
 
-The engines of the loaded models share one ``TurnLock``: their steps take turns on the CPU
-threads (each engine keeps its own ThreadChooser), so two busy models each make progress and
-neither runs its step on cores the other's step holds.
+The engines of the loaded models step freely, each on its own thread, and each engine's
+ThreadChooser (engine/threads.py) sees the other's steps as load and moves to fewer threads:
+two busy models on 2 cores settle near one core each. Measured against steps taking turns under
+one lock, each on every core (docs/benchmarks.md, "Several models behind one port"): freely
+was 1.5x the pair's tokens/s.
 """
 
 from __future__ import annotations
@@ -318,12 +320,10 @@ class Loader:
     memory.SharedMemory (see the module docstring for the rule)."""
 
     def __init__(self, base: EngineConfig, config: ServerConfig, metrics: ServerMetrics):
-        from localllm.engine.threads import TurnLock
         from localllm.memory import SharedMemory
 
         self.base, self.config, self.metrics = base, config, metrics
         self.memory = SharedMemory(base)
-        self.turns = TurnLock()
         self.preloaded: dict[str, LoadedModel] = {}  # loaded before the server's loop started
 
     @property
@@ -354,7 +354,7 @@ class Loader:
             from localllm.engine.embedder import Embedder
 
             return LoadedModel(entry, embedder=Embedder(entry.path, n_threads=self.base.n_threads or None))
-        engine = AsyncEngine(LLMEngine(self.memory.config_for(entry)), step_lock=self.turns)
+        engine = AsyncEngine(LLMEngine(self.memory.config_for(entry)))
         try:
             n_ctx_train = read_info(entry.path).context_length
         except (OSError, LocalLLMError):

@@ -1,18 +1,14 @@
 """server/models.py and server/upstream.py below the model line: which entry a request's model
-and door reach, the manager's errors as each door's APIError, the engines' turn lock, and the
-upstreams' configuration. The manager loads stand-ins here; tests/server/test_models_served.py
+and door reach, the manager's errors as each door's APIError, and the upstreams' configuration. The manager loads stand-ins here; tests/server/test_models_served.py
 runs the real models behind a real `localllm serve`."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from localllm.engine.threads import TurnLock
 from localllm.errors import ModelBusy, UsageError
 from localllm.manager import ModelEntry, ModelManager
 from localllm.server.errors import APIError
@@ -110,31 +106,6 @@ def test_a_lease_handed_to_a_streamed_response_lasts_until_it_is_sent():
     during, after, sent = asyncio.run(main())
     assert (during, after) == (1, 0)
     assert sent[0]["type"] == "http.response.start" and sent[1]["body"] == b"x"
-
-
-def test_steps_under_the_turn_lock_take_turns():
-    lock, order, started = TurnLock(), [], threading.Barrier(2)
-
-    def engine(name: str) -> None:
-        started.wait()
-        for _ in range(50):
-            with lock:  # a step: long enough for the other engine to ask meanwhile
-                order.append(name)
-                time.sleep(0.002)
-
-    threads = [threading.Thread(target=engine, args=(n,)) for n in "ab"]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    text = "".join(order)
-    assert sorted(text) == ["a"] * 50 + ["b"] * 50
-    # Once the second engine has asked, the two alternate: one that asks again queues behind the
-    # other (a threading.Lock lets the releasing thread take it back at once, a streak of steps).
-    first = text.index("b" if text[0] == "a" else "a")  # the second engine's first step
-    last = text.rindex("a" if text[-1] == "b" else "b")  # the last step before one engine was done
-    middle = text[first:last + 1]
-    assert "aa" not in middle and "bb" not in middle
 
 
 def test_upstreams_from_the_command_line_and_the_config_file(tmp_path, monkeypatch):
