@@ -14,15 +14,15 @@ Memory: the budget is what was free at start (available RAM; `--memory` when giv
 headroom of memory.py. Each model is planned by memory.plan against the whole budget: its
 weights and a KV pool of ``--ctx`` tokens, or of what fits up to its trained context; a model
 needs those bytes free (the budget less what the loaded models took) or the manager makes room.
-Pinned models are planned in order, each against what the pinned before it left, and must fit
-together at start (else `serve` exits 2 with the sizes). With the small models of an editor
-(a chat model, a FIM model, an embedding model) all of them fit side by side on a laptop.
+Pinned models must fit together at start (else `serve` exits 2 with each one's size). With the
+small models of an editor (a chat model, a FIM model, an embedding model) all of them fit side
+by side on a laptop. The planning is memory.SharedMemory's, which the chat app shares.
 
 The engines of the loaded models step freely, each on its own thread, and each engine's
 ThreadChooser (engine/threads.py) sees the other's steps as load and moves to fewer threads:
 two busy models on 2 cores settle near one core each. Measured against steps taking turns under
-one lock, each on every core (docs/benchmarks.md, "Several models behind one port"): freely
-was 1.5x the pair's tokens/s.
+one lock, each on every core (docs/benchmarks.md, "Several models behind one port"), stepping
+freely gave the pair 1.2-1.5x the tokens/s.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +47,6 @@ from localllm.server.upstream import Forwarder, Upstream
 
 log = logging.getLogger("localllm.server")
 
-TEXT_KINDS = ("chat", "completion")
-
 
 @dataclass(eq=False)
 class LoadedModel:
@@ -59,7 +57,6 @@ class LoadedModel:
     server: Server | None = None
     embedder: Any = None
     owned: bool = True  # False: the caller built it and closes it (ServedModels.of)
-    loaded_at: float = field(default_factory=time.time)
     load_s: float | None = None  # how long its load took, when loaded before the manager took it
 
     def shutdown(self) -> None:
