@@ -122,13 +122,11 @@ class AnthropicMessages:
         return "".join(part.text for part in block.content)
 
     async def count_tokens(self, req: CountTokensRequest) -> TokenCount:
-        self.server.check_model(req.model)
         messages, tools = self.chat(req)
         return TokenCount(input_tokens=len(await self.server.chat_prompt(messages, tools)))
 
     async def create(self, req: MessagesRequest, request: Request):
         server = self.server
-        server.check_model(req.model)
         messages, tools = self.chat(req)
         grammar = None
         choice = req.tool_choice

@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import hmac
 from functools import partial
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,9 +29,9 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from localllm import __version__
 from pydantic import BaseModel, ConfigDict
 
+from localllm import __version__
 from localllm.config import ServerConfig
 from localllm.engine.metrics import EngineStats
 from localllm.errors import ContextOverflowError, LocalLLMError, ModelBusy, ModelNotFound
@@ -40,7 +39,7 @@ from localllm.manager import ModelEntry
 from localllm.paths import responses_db
 from localllm.server import anthropic_messages, embeddings, infill, openai_chat, openai_responses, tokens
 from localllm.server import protocol as P
-from localllm.server.models import LoadedModel, ServedModels
+from localllm.server.models import LoadedModel, ServedModels, trained_context
 from localllm.server.errors import (AnthropicErrorBody, APIError, ErrorBody, api_error_response, error_response,
                                     speaks_anthropic)
 from localllm.server.limits import BodyGuard
@@ -120,10 +119,9 @@ def model_card(models: ServedModels, entry: ModelEntry, loaded: LoadedModel | No
     elif loaded is not None:
         ctx, n_vocab = loaded.embedder.n_ctx, loaded.embedder.n_vocab
     else:
-        ctx = models.ctx_of(entry)
-        if ctx is None or entry.kind != "embedding":
-            n_ctx_train = _trained_context(entry.path)
-            ctx = ctx or n_ctx_train or 0
+        trained = trained_context(entry.path)
+        ctx = models.ctx_of(entry) or trained or 0
+        n_ctx_train = trained if entry.kind != "embedding" else None
     return P.ModelCard(id=entry.name, context_length=ctx, max_model_len=ctx, kind=entry.kind,
                        loaded=loaded is not None, meta=P.ModelMeta(n_ctx=ctx, n_ctx_train=n_ctx_train, n_vocab=n_vocab))
 
@@ -132,15 +130,6 @@ def upstream_card(upstream) -> P.ModelCard:
     """A model another server serves (upstream.py): its context is that server's to say."""
     return P.ModelCard(id=upstream.name, owned_by=upstream.url, context_length=None, max_model_len=None,
                        kind="chat", loaded=True, meta=P.ModelMeta(n_ctx=None, n_ctx_train=None, n_vocab=None))
-
-
-def _trained_context(path: Path) -> int | None:
-    from localllm.gguf import read_info
-
-    try:
-        return read_info(path).context_length
-    except (OSError, LocalLLMError):
-        return None
 
 
 def create_app(models: ServedModels, config: ServerConfig) -> FastAPI:

@@ -76,10 +76,10 @@ class ToolCall:
 
 class Server:
     def __init__(self, engine: AsyncEngine, model_path: Path, config: ServerConfig, n_ctx_train: int | None = None,
-                 name: str | None = None, names: tuple[str, ...] = (), metrics: ServerMetrics | None = None):
+                 name: str | None = None, metrics: ServerMetrics | None = None):
         """One loaded model's request path; ``name`` is what responses call it (default: the
-        file's stem), ``names`` every name that reaches it; ``metrics`` may be shared by the
-        models of one server."""
+        file's stem; which names reach it is server/models.py's); ``metrics`` may be shared by
+        the models of one server."""
         self.engine = engine
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
@@ -87,7 +87,6 @@ class Server:
         self.max_num_seqs = engine.engine.config.scheduler.max_num_seqs
         self.config = config
         self.model_id = name or Path(model_path).stem
-        self.model_names = {self.model_id, Path(model_path).stem, Path(model_path).name, *names}
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.num_in_flight = 0
         # Whether the model's chat template thinks (a <think> block before the answer).
@@ -96,13 +95,6 @@ class Server:
         self.tool_family = family_for(getattr(self.tokenizer, "template_source", None))
 
     # -- admission ------------------------------------------------------------------------
-
-    def check_model(self, name: str | None) -> None:
-        """A request's ``model``: absent (None) means the served model, as llama-server and vLLM
-        take it; an unknown name is a 404 that lists the served one."""
-        if name is not None and name not in self.model_names:
-            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}' "
-                                f"(see GET /v1/models)", param="model", code="model_not_found")
 
     def check_capacity(self, n: int) -> None:
         if self.num_in_flight + n > self.max_num_seqs + self.config.max_queue:

@@ -78,8 +78,6 @@ class Infill:
 
     async def infill(self, req: InfillRequest, request: Request):
         server = self.server
-        if req.model is not None:
-            server.check_model(req.model)
         budget = server.max_model_len - (req.n_predict if req.n_predict > 0 else 0)
         encode_fim = getattr(server.tokenizer, "encode_fim", None)
         if encode_fim is None:

@@ -137,13 +137,8 @@ class ServedModels:
     def of(cls, engine, model_path: Path, config: ServerConfig, embedder=None) -> "ServedModels":
         """Models already loaded (an engine and an embedder built by the caller), pinned: one
         server over them, as the tests and an in-process caller build it."""
-        from localllm.gguf import read_info
-
         metrics = ServerMetrics()
-        try:
-            n_ctx_train = read_info(model_path).context_length
-        except (OSError, LocalLLMError):
-            n_ctx_train = None
+        n_ctx_train = trained_context(model_path)
         entries = [ModelEntry(Path(model_path).stem, Path(model_path), pinned=True)]
         built = {entries[0].name: LoadedModel(entries[0], owned=False, server=Server(
             engine, model_path, config, n_ctx_train, metrics=metrics))}
@@ -253,6 +248,17 @@ class ServedModels:
         return self._planned_ctx.get(entry.name)
 
 
+def trained_context(path: Path) -> int | None:
+    """The context the model at ``path`` was trained for, from its GGUF; None where the file
+    does not say (or cannot be read: the runner's load says why)."""
+    from localllm.gguf import read_info
+
+    try:
+        return read_info(path).context_length
+    except (OSError, LocalLLMError):
+        return None
+
+
 def _no_model_of(kind: str, entries: Sequence[ModelEntry]) -> str:
     if kind == "embedding":
         return ("no embedding model (such as all-MiniLM-L6-v2 or nomic-embed-text) is served here, so it serves "
@@ -343,7 +349,6 @@ class Loader:
 
     def load(self, entry: ModelEntry) -> LoadedModel:
         from localllm.engine.engine import AsyncEngine, LLMEngine
-        from localllm.gguf import read_info
 
         if entry.name in self.preloaded:
             return self.preloaded.pop(entry.name)
@@ -352,11 +357,7 @@ class Loader:
 
             return LoadedModel(entry, embedder=Embedder(entry.path, n_threads=self.base.n_threads or None))
         engine = AsyncEngine(LLMEngine(self.memory.config_for(entry)))
-        try:
-            n_ctx_train = read_info(entry.path).context_length
-        except (OSError, LocalLLMError):
-            n_ctx_train = None
-        server = Server(engine, entry.path, self.config, n_ctx_train, name=entry.name, names=entry.names,
+        server = Server(engine, entry.path, self.config, trained_context(entry.path), name=entry.name,
                         metrics=self.metrics)
         return LoadedModel(entry, server=server)
 

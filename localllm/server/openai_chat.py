@@ -92,7 +92,6 @@ class OpenAIChat:
 
     async def chat(self, req: P.ChatCompletionRequest, request: Request):
         server = self.server
-        server.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
@@ -206,7 +205,6 @@ class OpenAIChat:
 
     async def completions(self, req: P.CompletionRequest, request: Request):
         server = self.server
-        server.check_model(req.model)
         num_prompts = 1 if isinstance(req.prompt, str) or not req.prompt or isinstance(req.prompt[0], int) \
             else len(req.prompt)
         most = server.max_num_seqs + server.config.max_queue

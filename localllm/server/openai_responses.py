@@ -120,7 +120,6 @@ class OpenAIResponses:
 
     async def create(self, req: ResponsesRequest, request: Request):
         server = self.server
-        server.check_model(req.model)
         conversation = await self.conversation(req)
         functions = [f for t in req.tools or () if not isinstance(t, HostedTool)
                      for f in (t.tools if isinstance(t, NamespaceTool) else [t])]

@@ -60,7 +60,6 @@ class Tokens:
         self.tokenizer = server.tokenizer
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
-        self.server.check_model(req.model)
         tok = self.tokenizer
         try:
             if req.parse_special:
@@ -74,7 +73,6 @@ class Tokens:
         return TokenizeResponse(tokens=[TokenPiece(id=t, piece=_piece(tok.piece(t, special=True))) for t in ids])
 
     async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
-        self.server.check_model(req.model)
         n_vocab = self.tokenizer.n_vocab
         bad = next((t for t in req.tokens if not 0 <= t < n_vocab), None)
         if bad is not None:
