@@ -76,6 +76,7 @@ class Rope:
         self._positions: torch.Tensor | None = None
         self._tables: tuple[torch.Tensor, torch.Tensor] = ()
         self._rows: tuple[torch.Tensor, torch.Tensor] = ()  # the step's cos and sin (N, hd / 2)
+        self._reserved = False  # see reserve
 
     def _grow(self, n: int) -> None:
         n = max(n, 2 * self._cos.shape[0], 256)
@@ -86,13 +87,21 @@ class Rope:
         self._cos = torch.from_numpy(np.cos(theta.astype(np.float64)).astype(np.float32)).to(self.device)
         self._sin = torch.from_numpy(np.sin(theta.astype(np.float64)).astype(np.float32)).to(self.device)
 
+    def reserve(self, n: int) -> None:
+        """Make the tables of positions 0..n-1 now and stop reading a step's positions back to
+        grow them (a step that waits for the device cannot be captured as a CUDA graph):
+        positions must stay below n from here on."""
+        if n > self._cos.shape[0]:
+            self._grow(n)
+        self._reserved = True
+
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(N, 1, hd) float32 C and S with rope(x) = x * C + partner(x) * S, where partner(x)
         swaps each rotated pair (x_i, x_j) to (x_j, x_i): C holds cos on both, S -sin on the
         first and sin on the second, so each output is x_i cos - x_j sin or x_j cos + x_i sin,
         bit for bit as written out."""
         if positions is not self._positions:
-            top = int(positions.max()) + 1 if positions.numel() else 0
+            top = int(positions.max()) + 1 if positions.numel() and not self._reserved else 0
             if top > self._cos.shape[0]:
                 self._grow(top)
             cos, sin = self._cos[positions], self._sin[positions]
@@ -144,10 +153,11 @@ def out_features(layer) -> int:
 
 
 def _fuse(a, b):
-    """One layer computing a's outputs then b's, bit for bit, or None. Only formats whose output
-    rows are computed each on its own are joined: the file's blocks of one type (qmatmul works
-    row by row) and int8 rows (torch's kernel gives the same bits for a row whatever rows
-    surround it). Both layers must have a bias, or neither."""
+    """One layer computing a's outputs then b's, or None. On the CPU only formats whose output
+    rows are computed each on its own are joined, so the bits stay those of the layers alone:
+    the file's blocks of one type (qmatmul works row by row) and int8 rows (torch's kernel
+    gives the same bits for a row whatever rows surround it); on CUDA float layers too. Both
+    layers must have a bias, or neither."""
     from localllm.runners.torch import quant
 
     if (a.bias is None) != (b.bias is None):
@@ -157,6 +167,11 @@ def _fuse(a, b):
         if a.kind != b.kind or a.in_features != b.in_features:
             return None
         return quant.BlockLinear(torch.cat([a.blocks, b.blocks]), a.kind, bias)
+    if (isinstance(a, Linear) and isinstance(b, Linear) and a.weight.device.type == "cuda"
+            and a.weight.dtype == b.weight.dtype and a.weight.shape[1] == b.weight.shape[1]):
+        # On CUDA, where a decode step is bound by launches: one matmul for Q, K and V (and
+        # gate and up) where they are floats (what the CPU keeps as int8 rows is bfloat16 there).
+        return Linear(torch.cat([a.weight, b.weight]), bias)
     if isinstance(a, quant.Int8Linear) and isinstance(b, quant.Int8Linear) and a.weight.device.type == "cpu":
         if a.weight.shape[1] != b.weight.shape[1]:
             return None

@@ -24,7 +24,9 @@ from localllm.engine.request import Sequence
 from localllm.engine.scheduler import SchedulerOutput
 from localllm.errors import EngineError, ModelLoadError
 from localllm.runners.torch import models
+from localllm.runners.torch import triton_attention
 from localllm.runners.torch.attention import AttnBatch, KVPool, block_slots
+from localllm.runners.torch.graphs import DecodeGraphs
 from localllm.runners.torch.layers import LayerSource
 from localllm.runners.torch.weight_cache import WeightCache
 from localllm.runners.torch.weights import GGUFWeights
@@ -91,10 +93,13 @@ class TorchRunner:
     name = "torch"
 
     def __init__(self, config: EngineConfig, device: torch.device | None = None, native: bool | None = None,
-                 scheme: str | None = None):
+                 scheme: str | None = None, graphs: bool | None = None):
         """native: attend with the native kernel (native/attention.c); by default wherever it
         was built and the pool is on the CPU (False: the pure-torch reference, for comparing).
-        scheme: the weight scheme of a quantized file (quant.SCHEMES; benchmarks compare them)."""
+        scheme: the weight scheme of a quantized file (quant.SCHEMES; benchmarks compare them).
+        graphs: decode steps through DecodeGraphs (graphs.py): by default on CUDA where Triton
+        is there (captured as CUDA graphs); True elsewhere runs the same static path eagerly
+        (for tests), False the plain eager path (for comparing)."""
         from localllm.runners.llamacpp import VocabFile
         from localllm.runners.torch import native as native_kernels
         from localllm.runners.torch import quant
@@ -143,7 +148,12 @@ class TorchRunner:
         self.n_ctx = config.cache.num_blocks * self.block_size
         c = self.config
         self.kv_dtype = KV_DTYPES[config.cache.kv_dtype]
-        self.pool = KVPool(c.n_layer, config.cache.num_blocks, self.block_size, c.n_head_kv, c.head_dim,
+        kernel = self.device.type == "cuda" and triton_attention.available()
+        graphs = kernel if graphs is None else graphs
+        # With graphs the pool has one block more than the BlockManager hands out: the scratch
+        # block that a captured batch's spare rows write to.
+        num_blocks = config.cache.num_blocks
+        self.pool = KVPool(c.n_layer, num_blocks + graphs, self.block_size, c.n_head_kv, c.head_dim,
                            self.kv_dtype, self.device)
         if self.pool.is_quantized:
             self.pool.set_key_smoothing(key_smoothing(weights, c))
@@ -155,6 +165,13 @@ class TorchRunner:
         if on_cpu and native is None and native_kernels.is_outdated():
             log.warning("%s; using the slower pure-torch kernels: rebuild them with `pip install -e .`",
                         native_kernels.why_unavailable())
+        self.graphs = None
+        if graphs:
+            capture = kernel  # a step through the reference reads its tables back: never captured
+            if capture:
+                self.model.reserve_positions(self.n_ctx)
+            self.graphs = DecodeGraphs(self.model, self.pool, config.scheduler.max_num_seqs, self.block_size,
+                                       num_blocks, self.device, capture=capture, kernel=kernel)
         st = path.stat()
         self.fingerprint = (f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|torch {torch.__version__}|"
                             f"{self.weights_scheme}|kv {config.cache.kv_dtype}"
@@ -167,6 +184,8 @@ class TorchRunner:
     def execute(self, out: SchedulerOutput) -> np.ndarray:
         tokens, positions, spans, rows = [], [], [], []
         n = 0
+        if self._is_decode(out):
+            return self._decode(out)
         for sched in out.scheduled:
             seq, k = sched.seq, sched.num_new_tokens
             start = seq.num_computed_tokens
@@ -191,6 +210,26 @@ class TorchRunner:
                 self._forward(tokens, positions, spans, [])
             return np.empty((0, self.vocab.n_vocab), dtype=np.float32)
         return self._forward(tokens, positions, spans, rows)
+
+    def _is_decode(self, out: SchedulerOutput) -> bool:
+        """A step DecodeGraphs takes: each sequence one new token (no drafts), with logits."""
+        if self.graphs is None or not out.scheduled or len(out.scheduled) > self.graphs.max_seqs:
+            return False
+        return all(s.num_new_tokens == 1 and not s.num_draft_tokens and s.needs_logits
+                   and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens for s in out.scheduled)
+
+    @torch.inference_mode()
+    def _decode(self, out: SchedulerOutput) -> np.ndarray:
+        steps = []
+        for sched in out.scheduled:
+            seq = sched.seq
+            position = seq.num_computed_tokens
+            if len(seq.block_table) * self.block_size <= position:
+                raise EngineError(f"sequence {seq.seq_id} has blocks for {len(seq.block_table) * self.block_size} "
+                                  f"positions, not {position + 1}")
+            steps.append((seq.token_at(position), position, seq.block_table))
+            self._lengths[seq.seq_id] = position + 1
+        return self.graphs.run(steps).cpu().numpy()
 
     @torch.inference_mode()
     def _forward(self, tokens, positions, spans, rows) -> np.ndarray:

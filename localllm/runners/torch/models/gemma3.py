@@ -64,5 +64,10 @@ class Gemma3Model:
             x = x + rms_norm(f, layer["post_ffn_norm"], c.rms_eps)
         return rms_norm(x, self.norm, c.rms_eps)
 
+    def reserve_positions(self, n: int) -> None:
+        """Rope tables for positions below n, made now (see Rope.reserve)."""
+        self.rope_global.reserve(n)
+        self.rope_local.reserve(n)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden.to(self.dtype)).float()

@@ -58,5 +58,9 @@ class LlamaModel:
             x = x + layer["down"]((F.silu(gate.float()) * up.float()).to(dt)).float()
         return rms_norm(x, self.norm, c.rms_eps)
 
+    def reserve_positions(self, n: int) -> None:
+        """Rope tables for positions below n, made now (see Rope.reserve)."""
+        self.rope.reserve(n)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden.to(self.dtype)).float()
