@@ -185,7 +185,12 @@ class SharedMemory:
 
     def __init__(self, base: EngineConfig):
         self.base = base
-        self.runner = "torch" if base.runner == "torch" else "llamacpp"
+        self.runner = base.runner
+        if self.runner == "auto":  # planned as the runner auto takes for the models it supports
+            from localllm.engine.engine import probe_auto
+
+            probe = probe_auto()
+            self.runner = "torch" if probe.cuda is not None and not probe.llama_gpu else "llamacpp"
         free, self.where = machine_free(base, self.runner)
         self.total = free
         self.budget = None if free is None else free - HEADROOM_BASE - int(HEADROOM_SHARE * free)

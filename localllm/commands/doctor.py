@@ -120,6 +120,22 @@ def _placement(report: dict) -> tuple[str, str, int | None]:
     return "CPU", "RAM", _ram_available(report)
 
 
+def _auto_runner(report: dict, arch: str | None) -> tuple[str, str]:
+    """The runner `--runner auto` gives a model of ``arch`` here, and why (engine.choose_runner,
+    on what this report already probed)."""
+    from localllm.engine.engine import AutoProbe, choose_runner
+
+    torch_report, llama = report["gpus"]["torch"], report["llama_cpp"]
+    gpus = torch_report.get("cuda") or [] if isinstance(torch_report, dict) else []
+    cuda = gpus[0]["name"] if gpus else None
+    graphs = False
+    if cuda is not None:
+        from localllm.runners.torch import triton_attention
+
+        graphs = triton_attention.available()
+    return choose_runner(arch, AutoProbe(cuda, graphs, bool(llama.get("gpu_offload"))))
+
+
 def _models(report: dict) -> list[dict]:
     from localllm.gguf_check import check_model
     from localllm.store import ModelStore
@@ -142,9 +158,13 @@ def _models(report: dict) -> list[dict]:
             "architecture": info.architecture, "file_type": info.file_type, "parameters": info.parameters,
             "trained_context": info.context_length, "sliding_window": info.sliding_window,
             "file_bytes": info.size_bytes, "weights_bytes": info.tensor_bytes, "kv_bytes_per_token": kv,
-            "runner": "llamacpp",  # the one runner so far
         })
+        runner, why = _auto_runner(report, info.architecture)
+        entry.update({"runner": runner, "runner_why": why})
         where, kind, budget = _placement(report)
+        if runner == "torch":
+            gpu = report["gpus"]["torch"]["cuda"][0]
+            where, kind, budget = f"CUDA ({gpu['name']})", "VRAM", gpu["memory_free"]
         if kind != "RAM" and budget is not None and info.tensor_bytes > budget:
             entry["note"] = f"does not fit in {where}'s free memory; the runner falls back to the CPU"
             where, kind, budget = "CPU", "RAM", _ram_available(report)
@@ -325,7 +345,7 @@ def _render_models(report: dict) -> list[str]:
         params = f"{m['parameters']:,} parameters"
         trained = f", trained context {m['trained_context']}" if m["trained_context"] else ""
         lines.append(f"    model: {m['architecture']} {m['file_type'] or ''}, {params}{trained}".replace(" ,", ","))
-        lines.append(f"    runner: {m['runner']} on {m['device']}")
+        lines.append(f"    runner: {m['runner']} on {m['device']} ({m['runner_why']})")
         if "note" in m:
             lines.append(f"    note: {m['note']}")
         lines.append(f"    weights: {_size(m['weights_bytes'])}")

@@ -48,14 +48,73 @@ class RequestOutput:
     num_cached_tokens: int | None = None  # with the first token: prompt tokens the prefix cache gave
 
 
+@dataclass(frozen=True)
+class AutoProbe:
+    """What ``--runner auto`` looks at on this machine (see choose_runner)."""
+
+    cuda: str | None  # the name of the NVIDIA GPU torch can use, or None
+    graphs: bool  # the torch runner captures decode steps there (Triton is installed)
+    llama_gpu: bool  # this install's llama.cpp offloads to a GPU
+
+
+def probe_auto() -> AutoProbe:
+    """The machine as ``--runner auto`` sees it. torch is imported only where an NVIDIA driver
+    is, so a machine without one pays nothing."""
+    from localllm.runners import device
+
+    cuda, graphs = None, False
+    if device.has_nvidia_driver():
+        gpus = device.torch_devices().get("cuda") or []
+        if gpus:
+            from localllm.runners.torch import triton_attention
+
+            cuda, graphs = gpus[0]["name"], triton_attention.available()
+    llama_gpu = False
+    if cuda is not None:
+        from localllm.runners.llamacpp import backend_report
+
+        llama_gpu = backend_report()["gpu_offload"]
+    return AutoProbe(cuda, graphs, llama_gpu)
+
+
+def choose_runner(arch: str | None, probe: AutoProbe) -> tuple[str, str]:
+    """``--runner auto``: (runner, why) for a model of architecture ``arch``.
+
+    On an NVIDIA GPU that torch can use, when this llama.cpp has no GPU offload (what `pipx
+    install localllm` builds), the torch runner on CUDA, for the architectures it has a model
+    for: its decode steps are CUDA graphs (docs/benchmarks.md, "The torch runner on CUDA"),
+    where llama.cpp would run on the CPU. A llama.cpp with GPU offload keeps the model: no
+    same-machine comparison of the two on a GPU is measured yet. Everywhere else llama.cpp: on
+    the CPUs measured, the torch runner leads only where AVX-512 VNNI kernels run, and on
+    Metal it has no kernels of its own."""
+    if probe.cuda is None:
+        return "llamacpp", "llama.cpp: no NVIDIA GPU that torch can use"
+    if probe.llama_gpu:
+        return "llamacpp", f"llama.cpp on {probe.cuda}: this llama.cpp offloads to the GPU"
+    from localllm.runners.torch import models
+
+    if arch is None or not models.supported(arch):
+        return "llamacpp", (f"llama.cpp on the CPU: the torch runner has no model for the {arch!r} architecture and "
+                            "this llama.cpp has no GPU offload; `localllm doctor` prints how to rebuild it with CUDA")
+    how = "decode steps as CUDA graphs" if probe.graphs else "without CUDA graphs: Triton is not installed"
+    return "torch", f"the torch runner on {probe.cuda} ({how}): this llama.cpp has no GPU offload"
+
+
 def load_runner(config: EngineConfig) -> ModelRunner:
-    """The runner ``config.runner`` names. "auto" is the llama.cpp runner on every device. On
-    the one CPU it has been measured on (2-core AMD EPYC with AVX-512 VNNI) the torch runner
-    leads (1.23x one stream, 1.91x eight, at llama.cpp's fidelity; docs/benchmarks.md), but
-    that lead rests on kernels only such CPUs run, and on CUDA it is bound by kernel launches;
-    auto moves when it holds on a second machine. "torch" on an architecture it has no model
-    for falls back to llama.cpp with one info line."""
-    if config.runner == "torch":
+    """The runner ``config.runner`` names; "auto" as choose_runner decides (one info line says
+    which and why). "torch" on an architecture it has no model for falls back to llama.cpp with
+    one info line."""
+    name = config.runner
+    if name == "auto":
+        probe = probe_auto()
+        arch = None
+        if probe.cuda is not None:
+            from localllm.gguf import read_info
+
+            arch = read_info(Path(config.model_path)).architecture
+        name, why = choose_runner(arch, probe)
+        log.info("%s: %s", Path(config.model_path).name, why)
+    if name == "torch":
         try:
             from localllm.runners.torch import models
             from localllm.runners.torch.runner import TorchRunner, architecture

@@ -152,7 +152,7 @@ def test_estimates_for_installed_models(tmp_path, qwen_path):
     i = lines.index(f"  qwen2.5-coder:0.5b: {qwen_path}")
     assert lines[i + 1] == "    model: qwen2 Q4_K_M, 630,167,424 parameters, trained context 32768"
     if not HAS_GPU:
-        assert lines[i + 2] == "    runner: llamacpp on CPU"
+        assert lines[i + 2] == "    runner: llamacpp on CPU (llama.cpp: no NVIDIA GPU that torch can use)"
     assert lines[i + 3] == "    weights: 485,452,288 bytes (463.0 MiB)"
     # Q8_0 stores 32 values in 34 bytes: 24 layers x 2 KV heads x 128 values x 34 / 32.
     assert lines[i + 4] == "    KV cache: bytes per token: 12,288 at f16, 6,528 at q8_0"
