@@ -76,10 +76,13 @@ class DecodeGraphs:
         self.ids = torch.zeros((3, max_seqs), dtype=torch.long, device=device)  # tokens, positions, slots
         self.ctx_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
         self.tables = torch.zeros((max_seqs, max_blocks), dtype=torch.int32, device=device)
-        self._ids = np.zeros((3, max_seqs), dtype=np.int64)  # host staging
-        self._ctx_lens = np.zeros(max_seqs, dtype=np.int32)
-        self._tables = np.zeros((max_seqs, max_blocks), dtype=np.int32)
+        # Host staging, in pinned memory on CUDA: the copies in and out run without a bounce.
+        self._pin = torch.device(device).type == "cuda"
+        self._host = [torch.zeros_like(t, device="cpu", pin_memory=self._pin)
+                      for t in (self.ids, self.ctx_lens, self.tables)]
+        self._ids, self._ctx_lens, self._tables = (t.numpy() for t in self._host)
         self.logits: torch.Tensor | None = None  # (max_seqs, vocab) float32, made by the first step
+        self._host_logits: torch.Tensor | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._mempool = None
 
@@ -93,20 +96,19 @@ class DecodeGraphs:
         n = len(steps)
         b = self.bucket(n)
         ids, lens, tables, bs = self._ids, self._ctx_lens, self._tables, self.block_size
-        width = 1
         for i, (token, position, table) in enumerate(steps):
             used = position // bs + 1
             ids[:, i] = (token, position, table[position // bs] * bs + position % bs)
             lens[i] = position + 1
             tables[i, :used] = table[:used]
-            width = max(width, used)
         # Spare rows: token 0 at position 0 of the scratch block.
         ids[:, n:b] = np.array([[0], [0], [self.scratch_block * bs]])
         lens[n:b] = 1
         tables[n:b, 0] = self.scratch_block
-        self.ids[:, :b].copy_(torch.from_numpy(ids[:, :b]))
-        self.ctx_lens[:b].copy_(torch.from_numpy(lens[:b]))
-        self.tables[:b, :width].copy_(torch.from_numpy(tables[:b, :width]))
+        host_ids, host_lens, host_tables = self._host
+        self.ids.copy_(host_ids, non_blocking=self._pin)
+        self.ctx_lens.copy_(host_lens, non_blocking=self._pin)
+        self.tables[:b].copy_(host_tables[:b], non_blocking=self._pin)  # whole rows: one contiguous copy
         if not self.capture:
             self._step(b)
         else:
@@ -115,6 +117,17 @@ class DecodeGraphs:
                 graph = self.graphs[b] = self._capture(b)
             graph.replay()
         return self.logits[:n]
+
+    def host_logits(self, n: int) -> np.ndarray:
+        """The last step's logits (n, vocab) on the host: a view of a buffer the next step
+        overwrites (the engine samples from it before that)."""
+        if self._host_logits is None:
+            self._host_logits = torch.empty_like(self.logits, device="cpu", pin_memory=self._pin)
+        out = self._host_logits[:n]
+        out.copy_(self.logits[:n], non_blocking=self._pin)
+        if self._pin:
+            torch.cuda.current_stream().synchronize()
+        return out.numpy()
 
     def _step(self, b: int) -> None:
         """The captured work: the model over the first b rows of the static inputs."""

@@ -116,15 +116,17 @@ class Rope:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: (N, heads, hd); positions: (N,)."""
         c, s = self.tables(positions)
-        xf = x.float().contiguous()
+        xf = x.float()
         kernels = _native_rows(xf, *self._rows)
         if kernels is not None:
-            return kernels.rope(xf, *self._rows, self.neox).to(x.dtype)
+            return kernels.rope(xf.contiguous(), *self._rows, self.neox).to(x.dtype)
         if self.neox:
             half = xf.shape[-1] // 2
             partner = torch.cat([xf[..., half:], xf[..., :half]], dim=-1)
         else:
             partner = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        if xf.is_cuda:  # one kernel fewer (a fused multiply-add: on CUDA only, the CPU keeps llama.cpp's bits)
+            return torch.addcmul(xf * c, partner, s).to(x.dtype)
         return (xf * c + partner * s).to(x.dtype)
 
 
@@ -204,10 +206,14 @@ class Parallel:
             i -= len(sizes)
         raise IndexError(i)
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """The layers' outputs, in ``dtype`` when given (each joined output converted once,
+        then split: views with the joined row's stride)."""
         outs = []
         for layer, sizes in self.groups:
             y = layer(x)
+            if dtype is not None:
+                y = y.to(dtype)
             outs += y.split(sizes, dim=-1) if len(sizes) > 1 else [y]
         return outs
 

@@ -229,7 +229,8 @@ class TorchRunner:
                                   f"positions, not {position + 1}")
             steps.append((seq.token_at(position), position, seq.block_table))
             self._lengths[seq.seq_id] = position + 1
-        return self.graphs.run(steps).cpu().numpy()
+        self.graphs.run(steps)
+        return self.graphs.host_logits(len(steps))
 
     @torch.inference_mode()
     def _forward(self, tokens, positions, spans, rows) -> np.ndarray:

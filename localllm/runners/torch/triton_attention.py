@@ -115,6 +115,13 @@ def _decode_kernel(
              o.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
+@functools.cache
+def _scale_tensor(scale: float, device: torch.device) -> torch.Tensor:
+    """``scale`` as a one-element float64 tensor on ``device``, made once (a CUDA graph then
+    reads it rather than filling a new one in every layer of every step)."""
+    return torch.full((1,), scale, dtype=torch.float64, device=device)
+
+
 def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -141,8 +148,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     k_scales / v_scales (num_blocks, block_size, n_kv) float16. tables: (B, max_blocks) int32
     block ids (entries past a sequence's used blocks are never read); ctx_lens: (B,) int32,
     each >= 1. n_swa: sliding window (0: none), as attention._mask. Returns (B, n_head, hd) in
-    q's dtype, written into ``out`` when given (nothing is allocated then but a one-element
-    float64 copy of ``scale``; no host sync, so a CUDA graph can capture it)."""
+    q's dtype, written into ``out`` when given (nothing is allocated then; ``scale`` becomes a
+    one-element float64 tensor once per value and device; no host sync, so a CUDA graph can
+    capture it once the kernel has run)."""
     num_seqs, n_head, hd = q.shape
     _, block_size, n_kv, pool_hd = k_pool.shape
     if pool_hd != hd or v_pool.shape != k_pool.shape or n_head % n_kv:
@@ -162,7 +170,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if not is_q8:  # placeholders: the kernel reads no scales then
         k_scales = v_scales = k_pool
     hd_pad = _next_power_of_2(hd)
-    scale_t = torch.full((1,), scale, dtype=torch.float64, device=q.device)
+    scale_t = _scale_tensor(scale, q.device)
     _kernel()[(num_seqs, n_head)](
         q, k_pool, v_pool, k_scales, v_scales, tables, ctx_lens, scale_t, out,
         n_swa if n_swa > 0 else NO_WINDOW, n_head // n_kv,

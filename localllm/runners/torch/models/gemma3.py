@@ -49,7 +49,7 @@ class Gemma3Model:
             local = c.is_swa(i)
             rope = self.rope_local if local else self.rope_global
             h = rms_norm(x, layer["attn_norm"], c.rms_eps).to(dt)
-            q, k, v = layer["qkv"](h)
+            q, k, v = layer["qkv"](h, torch.float32)
             q = rms_norm(q.float().view(-1, c.n_head, c.head_dim), layer["q_norm"], c.rms_eps)
             k = rms_norm(k.float().view(-1, c.n_head_kv, c.head_dim), layer["k_norm"], c.rms_eps)
             v = v.float().view(-1, c.n_head_kv, c.head_dim)
@@ -59,7 +59,7 @@ class Gemma3Model:
             o = layer["o"](a.reshape(-1, c.n_head * c.head_dim).to(dt)).float()
             x = x + rms_norm(o, layer["post_attn_norm"], c.rms_eps)
             h = rms_norm(x, layer["ffn_norm"], c.rms_eps).to(dt)
-            gate, up = layer["gate_up"](h)
+            gate, up = layer["gate_up"](h, torch.float32)
             f = layer["down"]((gelu_ggml(gate.float()) * up.float()).to(dt)).float()
             x = x + rms_norm(f, layer["post_ffn_norm"], c.rms_eps)
         return rms_norm(x, self.norm, c.rms_eps)

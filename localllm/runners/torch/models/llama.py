@@ -46,16 +46,18 @@ class LlamaModel:
         x = self.embed[tokens].float()
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer["attn_norm"], c.rms_eps).to(dt)
-            q, k, v = layer["qkv"](h)
-            q = self.rope(q.float().view(-1, c.n_head, c.head_dim), positions)
-            k = self.rope(k.float().view(-1, c.n_head_kv, c.head_dim), positions)
-            v = v.float().view(-1, c.n_head_kv, c.head_dim)
+            # (float32 + bfloat16 adds in float32, converting in the same kernel: as many
+            # kernels fewer on a GPU, the same bits.)
+            q, k, v = layer["qkv"](h, torch.float32)
+            q = self.rope(q.view(-1, c.n_head, c.head_dim), positions)
+            k = self.rope(k.view(-1, c.n_head_kv, c.head_dim), positions)
+            v = v.view(-1, c.n_head_kv, c.head_dim)
             pool.write(i, batch.slots, k, v)
             a = batch.attend(q, pool, i, self.scale)
-            x = x + layer["o"](a.reshape(-1, c.n_head * c.head_dim).to(dt)).float()
+            x = x + layer["o"](a.reshape(-1, c.n_head * c.head_dim).to(dt))
             h = rms_norm(x, layer["ffn_norm"], c.rms_eps).to(dt)
-            gate, up = layer["gate_up"](h)
-            x = x + layer["down"]((F.silu(gate.float()) * up.float()).to(dt)).float()
+            gate, up = layer["gate_up"](h, torch.float32)
+            x = x + layer["down"]((F.silu(gate) * up).to(dt))
         return rms_norm(x, self.norm, c.rms_eps)
 
     def reserve_positions(self, n: int) -> None:
