@@ -38,5 +38,7 @@ step kernels "${KERNELS_S:-120}" "$PY" -m pytest -q -p no:cacheprovider tests/un
 # shellcheck disable=SC2086  # BENCH_ARGS is words
 TAIL=45 step bench "${BENCH_S:-240}" "$PY" benchmarks/torch_cuda.py --file "$MODELS/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf" \
   ${BENCH_ARGS:---rounds 3} --json "$OUT/bench.json"
+TAIL=12 step bench_gemma "${BENCH_S:-240}" "$PY" benchmarks/torch_cuda.py --file "$MODELS/gemma-3-270m-q4_k_m.gguf" \
+  ${BENCH_ARGS:---rounds 3} --json "$OUT/bench_gemma.json"
 TAIL=30 step engine "${ENGINE_S:-150}" "$PY" -m pytest -q -p no:cacheprovider -rf -k "torch and not sampling_with_drafts" \
   tests/integration/test_engine.py tests/integration/test_prefix_store_engine.py tests/integration/test_spec_decode_engine.py
