@@ -262,12 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _engine_config(args, model_path: Path | None = None):
-    from localllm.config import CacheConfig, EngineConfig, SchedulerConfig
+    from localllm.config import DEFAULT_BATCH_TOKENS, CacheConfig, EngineConfig, SchedulerConfig
 
     sched_kwargs = {}
     if args.batch_tokens is not None:
         sched_kwargs["max_num_batched_tokens"] = args.batch_tokens
-    elif args.ctx is not None and args.ctx < SchedulerConfig.max_num_batched_tokens:
+    elif args.ctx is not None and args.ctx < DEFAULT_BATCH_TOKENS:
         sched_kwargs["max_num_batched_tokens"] = args.ctx  # a small context gets a budget that fits
     if args.parallel is not None:
         sched_kwargs["max_num_seqs"] = args.parallel

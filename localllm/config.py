@@ -49,6 +49,11 @@ class CacheConfig:
         return self.n_ctx // self.block_size
 
 
+# The step token budget where the runner names none: 256 measured best for llama.cpp on the
+# CPU (docs/benchmarks.md, chunked prefill).
+DEFAULT_BATCH_TOKENS = 256
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching.
@@ -56,16 +61,18 @@ class SchedulerConfig:
     ``max_num_batched_tokens`` is the per-step token budget: the TTFT / TPOT trade-off.
     A larger budget prefills a long prompt in fewer, longer steps (lower TTFT for it); a
     smaller one keeps each step short, so streams that are decoding meanwhile see smaller
-    gaps between tokens (lower TPOT for them).
+    gaps between tokens (lower TPOT for them). None: the runner's own default
+    (``default_batch_tokens``: DEFAULT_BATCH_TOKENS on the CPU, more on a GPU, where a long
+    step costs little more than a short one), set by the engine once the runner is loaded.
     """
 
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 256
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise UsageError(f"--parallel {self.max_num_seqs} must be at least 1")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise UsageError(
                 f"step token budget {self.max_num_batched_tokens} is below the number of "
                 f"parallel sequences {self.max_num_seqs}; raise --batch-tokens"
@@ -119,7 +126,8 @@ class EngineConfig:
             raise UsageError(f"--threads {self.n_threads} must be 0 (auto) or more")
         if self.memory_limit is not None and self.memory_limit <= 0:
             raise UsageError(f"--memory {self.memory_limit} must be more than 0; leave it out to use what is free")
-        if self.cache.n_ctx is not None and self.scheduler.max_num_batched_tokens > self.cache.n_ctx:
+        budget = self.scheduler.max_num_batched_tokens
+        if self.cache.n_ctx is not None and budget is not None and budget > self.cache.n_ctx:
             raise UsageError(
                 f"step token budget {self.scheduler.max_num_batched_tokens} exceeds the "
                 f"context {self.cache.n_ctx}; lower --batch-tokens"

@@ -92,7 +92,7 @@ def bench(config: EngineConfig, concurrencies: list[int], prompt_tokens: int, ma
         results = [run_concurrency(engine, c, prompt_tokens, max_tokens) for c in concurrencies]
         _report(results, {"model": str(config.model_path), "threads": config.threads,
                           "threads_adaptive": engine.stats().threads_adaptive,
-                          "batch_tokens": config.scheduler.max_num_batched_tokens,
+                          "batch_tokens": engine.config.scheduler.max_num_batched_tokens,
                           "speculative": config.speculative}, as_json)
         return 0
     finally:

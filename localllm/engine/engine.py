@@ -11,11 +11,11 @@ import threading
 import time
 from pathlib import Path
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from localllm.config import EngineConfig, physical_cores
+from localllm.config import DEFAULT_BATCH_TOKENS, EngineConfig, physical_cores
 from localllm.engine.block_manager import BlockManager
 from localllm.engine.metrics import EngineStats, RequestMetrics
 from localllm.engine.request import FinishReason, SamplingParams, Sequence
@@ -113,7 +113,8 @@ def load_runner(config: EngineConfig) -> ModelRunner:
 
             arch = read_info(Path(config.model_path)).architecture
         name, why = choose_runner(arch, probe)
-        log.info("%s: %s", Path(config.model_path).name, why)
+        # Said where a GPU made it a choice; without one it is always llama.cpp.
+        (log.info if probe.cuda is not None else log.debug)("%s: %s", Path(config.model_path).name, why)
     if name == "torch":
         try:
             from localllm.runners.torch import models
@@ -170,6 +171,10 @@ class LLMEngine:
         # Sliding-window models drop cells as the window moves; a rollback could not restore
         # them, so they are never drafted for.
         self.drafter = None if getattr(self.runner, "n_swa", 0) else Drafter()
+        if self.config.scheduler.max_num_batched_tokens is None:  # the runner's default, within the context
+            budget = getattr(self.runner, "default_batch_tokens", DEFAULT_BATCH_TOKENS)
+            budget = max(min(budget, self.max_model_len), self.config.scheduler.max_num_seqs)
+            self.config = replace(self.config, scheduler=replace(self.config.scheduler, max_num_batched_tokens=budget))
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager, self.max_model_len,
                                    proposer=self._propose if self.drafter is not None else None)
         self.sampler = Sampler()

@@ -27,7 +27,7 @@ import numpy as np
 from llama_cpp import llama_grammar
 
 from localllm import memory
-from localllm.config import EngineConfig
+from localllm.config import DEFAULT_BATCH_TOKENS, EngineConfig
 from localllm.engine.request import Sequence
 from localllm.engine.scheduler import SchedulerOutput
 from localllm.errors import EngineError, ModelLoadError, UsageError
@@ -443,7 +443,8 @@ class LlamaCppRunner:
         config, self.kv_plan = memory.sized(config, self.name)
         self.kv_dtype = config.cache.kv_dtype
         self.block_size = config.cache.block_size
-        self.max_batch = config.scheduler.max_num_batched_tokens
+        self.default_batch_tokens = DEFAULT_BATCH_TOKENS
+        self.max_batch = config.scheduler.max_num_batched_tokens or DEFAULT_BATCH_TOKENS
         self.model, self.n_gpu_layers, self.extra_bufts = _load_model(path, config.n_gpu_layers)
         self.n_swa = L.llama_model_n_swa(self.model)
         # Whether the CPU computes the layers (some or all): then the engine chooses the threads.
