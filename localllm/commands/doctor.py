@@ -219,6 +219,13 @@ def _advice(report: dict) -> list[str]:
                       f"{_pip_install(in_pipx, sys.executable)} --force-reinstall --no-cache-dir {requirement}")
     elif not llama.get("gpu_offload"):
         if gpus["nvidia_driver"]:
+            torch_report = gpus["torch"] if isinstance(gpus["torch"], dict) else {}
+            if not torch_report.get("cuda"):
+                how = "--force-reinstall " if torch_report.get("installed") else ""
+                advice.append("an NVIDIA GPU is present and no PyTorch here can use it: install PyTorch (its Linux "
+                              f"wheels carry CUDA): {_pip_install(in_pipx, sys.executable)} {how}torch gguf "
+                              "safetensors; --runner auto then runs Qwen2, Llama and Gemma 3 models on the GPU "
+                              "through the torch runner, with no CUDA toolkit")
             command = reinstall_command("-DGGML_CUDA=on", in_pipx, requirement, sys.executable)
             line = f"an NVIDIA GPU is present but this llama.cpp has no GPU offload; rebuild it with CUDA: {command}"
             if shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").exists():

@@ -204,7 +204,12 @@ def test_gpu_without_offload_gets_the_rebuild_command(tmp_path, monkeypatch):
         "backends": ["CPU"], "devices": [], "note": None})
     report = doctor_module.collect()
     python = sys.executable
-    cuda, metal = report["advice"][0], report["advice"][1]
+    torch_line, cuda, metal = report["advice"][:3]
+    installed = report["gpus"]["torch"].get("installed")  # (the test extras have torch, without CUDA here)
+    assert torch_line == ("an NVIDIA GPU is present and no PyTorch here can use it: install PyTorch (its Linux "
+                          f"wheels carry CUDA): {python} -m pip install {'--force-reinstall ' if installed else ''}"
+                          "torch gguf safetensors; --runner auto then runs Qwen2, Llama and Gemma 3 models on the "
+                          "GPU through the torch runner, with no CUDA toolkit")
     assert cuda.startswith("an NVIDIA GPU is present but this llama.cpp has no GPU offload; rebuild it with CUDA: "
                            f'CMAKE_ARGS="-DGGML_CUDA=on" {python} -m pip install --force-reinstall '
                            "--no-cache-dir llama-cpp-python==0.3.36")
@@ -213,7 +218,7 @@ def test_gpu_without_offload_gets_the_rebuild_command(tmp_path, monkeypatch):
                      "--no-cache-dir llama-cpp-python==0.3.36")
     text = doctor_module.render(report)
     assert "  nvidia driver: yes\n" in text and "  apple silicon: yes" in text
-    assert f"  - {cuda}\n" in text and text.endswith(f"  - {metal}\n  - {report['advice'][2]}\n")
+    assert f"  - {cuda}\n" in text and text.endswith(f"  - {metal}\n  - {report['advice'][3]}\n")
 
 
 def test_broken_llama_cpp_is_reported_not_fatal(tmp_path, monkeypatch):
