@@ -88,7 +88,7 @@ def test_static_decode_equals_eager_decode(tmp_path, arch, kv_dtype, kernel):
             runner._forward(toks[start:], list(range(start, len(toks))), [(table, start, len(toks) - start, False)], [])
         schedule = [[0, 1, 2, 3, 4], [0, 1, 2, 3], [4], [1, 3], [0, 1, 2, 3, 4], [2, 4], [0], [0, 1, 2, 3]]
         if kernel and not ON_GPU:
-            schedule = schedule[:3]  # interpreted: seconds a step
+            schedule = schedule[:1]  # interpreted: seconds a step (five sequences, a padded bucket of eight)
         for batch in schedule:
             new = [int(torch.randint(3, 200, (1,), generator=g)) for _ in batch]
             positions = [lengths[i] for i in batch]
