@@ -59,7 +59,29 @@ def _served_spec(live_server) -> dict:
         spec["components"]["schemas"][name]["properties"].pop("model")
     spec["components"]["schemas"]["EmbeddingRequest"]["properties"]["model"] = {
         "anyOf": [{"type": "string", "enum": [embedder_id]}, {"type": "null"}]}
+    served.setdefault("spec", spec)
     return spec
+
+
+served: dict = {}  # the schema as served (model pinned), for body_is_valid
+
+
+def body_is_valid(case) -> bool:
+    """Whether the body sent satisfies the served schema after all. Schemathesis marks a case
+    negative when it generates it and does not check again after shrinking, which can drop
+    the only invalid part (schemathesis issue #4332: a body of valid parts reported as
+    "Schema-violating request accepted"); such a case is held to the other checks only."""
+    import jsonschema
+
+    if case.body is None or isinstance(case.body, (bytes, str)) or "spec" not in served:
+        return False
+    spec = served["spec"]
+    operation = spec["paths"][case.operation.path][case.operation.method.lower()]
+    body_schema = operation.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
+    if body_schema is None:
+        return False
+    validator = jsonschema.Draft202012Validator({**body_schema, "components": spec["components"]})
+    return validator.is_valid(case.body)
 
 
 def _load(spec: dict, live_server):
@@ -235,8 +257,10 @@ def _call_and_check(case, run: str) -> None:
                 _check_error(payload)
     elif content_type.startswith("application/json"):
         _strict_json(response.text)
-    case.validate_response(response, checks=[not_a_server_error, status_code_conformance, content_type_conformance,
-                                             response_schema_conformance, negative_data_rejection])
+    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+    if not (run == "invalid" and response.status_code < 400 and body_is_valid(case)):
+        checks.append(negative_data_rejection)
+    case.validate_response(response, checks=checks)
 
 
 def test_the_server_is_whole_after_the_fuzzing(live_server):
