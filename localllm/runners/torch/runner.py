@@ -310,6 +310,7 @@ class TorchRunner:
         torch.set_num_threads(n)
 
     def close(self) -> None:
+        self.graphs = None  # its captured graphs hold their memory pool (VRAM) until dropped
         self.pool = None
         self.model = None
         if getattr(self, "vocab_file", None) is not None:
