@@ -9,6 +9,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -17,6 +18,7 @@ import numpy as np
 
 from localllm.config import DEFAULT_BATCH_TOKENS, EngineConfig, physical_cores
 from localllm.engine.block_manager import BlockManager
+from localllm.engine.constraint import Constraint, Grammars, is_allowed
 from localllm.engine.metrics import EngineStats, RequestMetrics
 from localllm.engine.request import FinishReason, SamplingParams, Sequence
 from localllm.engine.sampler import Sampler, top_logprobs
@@ -25,7 +27,7 @@ from localllm.engine.spec_decode import Drafter
 from localllm.engine.threads import ThreadChooser
 from localllm.errors import LocalLLMError, UsageError
 from localllm.memory import describe_pool
-from localllm.runners.base import Constraint, ModelRunner
+from localllm.runners.base import ModelRunner
 from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("localllm.engine")
@@ -136,6 +138,8 @@ class LLMEngine:
         self.config = config
         self.runner = runner if runner is not None else load_runner(config)
         self.tokenizer = Tokenizer(self.runner.vocab, name=Path(config.model_path).name)
+        self.grammars = Grammars(self.runner.vocab)  # its vocabulary is read for the first grammar
+        self._mask_thread: ThreadPoolExecutor | None = None  # started for the first grammar
         block_size = config.cache.block_size
         self.prefix_store = None
         if (config.prefix_cache_dir is not None and config.prefix_cache_size > 0
@@ -218,7 +222,7 @@ class LLMEngine:
         if request_id is not None and request_id in self._seqs:
             raise UsageError(f"request id {request_id!r} is already in use")
         seq = Sequence(prompt_token_ids=token_ids, params=params, request_id=request_id or "")
-        constraint = self.runner.make_constraint(params.grammar) if params.grammar is not None else None
+        constraint = self.grammars.constraint(params.grammar) if params.grammar is not None else None
         try:
             self.scheduler.add(seq)
         except Exception:
@@ -233,10 +237,10 @@ class LLMEngine:
         )
         return seq
 
-    def check_grammar(self, gbnf: str) -> None:
-        """Raise UsageError when the runner cannot parse ``gbnf`` (a door's early check, so a bad
-        grammar is the request's 400 before any answer starts)."""
-        self.runner.make_constraint(gbnf).free()
+    def check_grammar(self, grammar: str) -> None:
+        """Raise UsageError when ``grammar`` cannot constrain an answer (a door's early check, so
+        a bad grammar is the request's 400 before any answer starts). Thread-safe."""
+        self.grammars.check(grammar)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its blocks go back at once. None if it is not known."""
@@ -262,8 +266,9 @@ class LLMEngine:
             threads = self.threads.pick(kind, num_tokens)
             if threads != self.runner.threads:
                 self.runner.set_threads(threads)
+        masks = self._start_masks(out)
         logits = self.runner.execute(out)
-        outputs = self._update(out, logits)
+        outputs = self._update(out, logits, masks.result() if masks is not None else {})
         seconds = time.perf_counter() - start
         if threads is not None:
             self.threads.record(kind, threads, num_tokens, seconds)
@@ -272,7 +277,27 @@ class LLMEngine:
             self.drafter.cost.record(num_tokens, seconds, decode_only=decode_only)
         return outputs
 
-    def _update(self, out: SchedulerOutput, logits) -> list[RequestOutput]:
+    def _start_masks(self, out: SchedulerOutput) -> Future | None:
+        """The grammar masks of this step's constrained rows, computed on a thread while the
+        forward runs (llguidance drops the GIL): a Future of {seq id: masks (rows, words)}, or
+        None when no row is constrained."""
+        work = [(s.seq.seq_id, self._constraints[s.seq.request_id], s.seq.draft_token_ids if s.num_draft_tokens else ())
+                for s in out.scheduled if s.needs_logits and s.seq.request_id in self._constraints]
+        if not work:
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="localllm-masks")
+
+        def fill() -> dict[int, np.ndarray]:
+            masks = {}
+            for seq_id, constraint, draft in work:
+                rows = masks[seq_id] = constraint.new_masks(1 + len(draft))
+                constraint.fill_draft(draft, rows)
+            return masks
+
+        return self._mask_thread.submit(fill)
+
+    def _update(self, out: SchedulerOutput, logits, masks: dict[int, np.ndarray]) -> list[RequestOutput]:
         now = time.perf_counter()
         self.num_steps += 1
         outputs, row = [], 0
@@ -284,7 +309,7 @@ class LLMEngine:
             if sched.num_draft_tokens:
                 num_rows = sched.num_logits  # (before num_computed_tokens moves)
                 seq.num_computed_tokens += sched.num_new_tokens
-                outputs.append(self._verify(sched, logits[row:row + num_rows], now))
+                outputs.append(self._verify(sched, logits[row:row + num_rows], masks.get(seq.seq_id), now))
                 row += num_rows
                 continue
             seq.num_computed_tokens += sched.num_new_tokens
@@ -295,7 +320,8 @@ class LLMEngine:
                     self._store_prompt(seq)
             if not needs_logits:
                 continue
-            sampled = self._sample(seq, logits[row])
+            seq_masks = masks.get(seq.seq_id)  # (1, words) when constrained
+            sampled = self._sample(seq, logits[row], seq_masks[0] if seq_masks is not None else None)
             row += 1
             if sampled is None:  # the grammar allows no token at all
                 outputs.append(self._finish(seq, FinishReason.ERROR, RequestOutput(seq.request_id)))
@@ -321,22 +347,36 @@ class LLMEngine:
 
     def _propose(self, candidates: list[tuple[Sequence, int]], num_tokens: int, num_outputs: int,
                  budget: int) -> dict[int, list[int]]:
-        """This step's drafts, for the decoding sequences that may draft (see Drafter.plan)."""
+        """This step's drafts, for the decoding sequences that may draft (see Drafter.plan); a
+        constrained sequence's draft is cut where its grammar stops allowing it."""
         eligible = []
         for seq, room in candidates:
             wants = seq.params.speculative
-            if (wants is False or (wants is None and not self.config.speculative)
-                    or not _can_draft(seq.params) or seq.request_id in self._constraints):
+            if wants is False or (wants is None and not self.config.speculative) or not _can_draft(seq.params):
                 continue
             eligible.append((seq.seq_id, seq.token_ids, room, wants is True))
-        return self.drafter.plan(eligible, num_tokens, num_outputs, budget) if eligible else {}
+        drafts = self.drafter.plan(eligible, num_tokens, num_outputs, budget) if eligible else {}
+        if self._constraints and drafts:
+            for seq, _ in candidates:
+                constraint = self._constraints.get(seq.request_id)
+                draft = drafts.get(seq.seq_id)
+                if constraint is not None and draft:
+                    num_valid = constraint.valid_prefix(draft)
+                    if num_valid < len(draft):
+                        drafts[seq.seq_id] = draft[:num_valid]
+        return drafts
 
-    def _verify(self, sched: ScheduledSeq, rows: np.ndarray, now: float) -> RequestOutput:
+    def _verify(self, sched: ScheduledSeq, rows: np.ndarray, masks: np.ndarray | None, now: float) -> RequestOutput:
         """Check a sequence's drafts against the model (rows: one per position, the last known
         token's first): keep the accepted run plus one token of the model's own, roll the KV of
-        the rest back. A stop, EOS or max_tokens inside the run ends it at that token."""
+        the rest back. A stop, EOS or max_tokens inside the run ends it at that token. A
+        constrained sequence's rows are masked first, each by its grammar's mask after the
+        drafts before it (``masks``), so what it emits is what undrafted steps would."""
         seq = sched.seq
         draft, seq.draft_token_ids = seq.draft_token_ids, []
+        constraint = self._constraints.get(seq.request_id)
+        if constraint is not None:
+            rows = np.stack([constraint.masked(rows[i], masks[i]) for i in range(len(rows))])
         emitted, num_accepted = self.sampler.verify(seq, draft, rows)
         seq.num_draft_proposed += len(draft)
         seq.num_draft_accepted += num_accepted
@@ -348,6 +388,8 @@ class LLMEngine:
         self.block_manager.truncate(seq)
         merged = RequestOutput(seq.request_id)
         for token_id in emitted:
+            if constraint is not None:
+                constraint.accept(token_id)
             out = self._append_token(seq, token_id, None, now)
             merged.token_ids += out.token_ids
             merged.text += out.text
@@ -361,14 +403,27 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(seq)
         return merged
 
-    def _sample(self, seq: Sequence, logits: np.ndarray) -> tuple[int, float | None] | None:
-        """seq's next token and its logprob, within its grammar if it has one; None when the
-        grammar allows nothing. A preempted sequence keeps its grammar's state: its output
-        tokens are recomputed, never sampled (or accepted) again."""
+    def _sample(self, seq: Sequence, logits: np.ndarray, mask: np.ndarray | None) -> tuple[int, float | None] | None:
+        """seq's next token and its logprob, within its grammar if it has one (``mask``, this
+        step's, or computed now); None when the grammar allows nothing. A greedy request
+        without logprobs takes the plain argmax when the grammar allows it: the masked argmax
+        is the same token. A preempted sequence keeps its grammar's state: its output tokens
+        are recomputed, never sampled (or accepted) again."""
         constraint = self._constraints.get(seq.request_id)
         if constraint is None:
             return self.sampler.sample(seq, logits)
-        masked = constraint.apply(logits)  # (vocab,)
+        if mask is None:
+            mask = constraint.new_masks(1)[0]
+            constraint.fill(mask)
+        if constraint.error is not None:
+            log.warning("request %s: its grammar cannot go on: %s", seq.request_id, constraint.error)
+            return None
+        if seq.params.is_greedy and not seq.params.logprobs:
+            token_id, logprob = self.sampler.sample(seq, logits)
+            if is_allowed(mask, token_id):
+                constraint.accept(token_id)
+                return token_id, logprob
+        masked = constraint.masked(logits, mask)  # (vocab,)
         if masked.max() == -np.inf:
             return None
         token_id, logprob = self.sampler.sample(seq, masked)
@@ -475,6 +530,9 @@ class LLMEngine:
         if self.prefix_store is not None:
             self.prefix_store.close()
             self.prefix_store = None
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown()
+            self._mask_thread = None
         self.runner.close()
 
 
@@ -530,11 +588,13 @@ class AsyncEngine:
 
     def call(self, fn):
         """Run ``fn(engine)`` on the engine thread; returns a concurrent Future."""
-        from concurrent.futures import Future
-
         fut: Future = Future()
         self._send(("call", fn, fut))
         return fut
+
+    async def check_grammar(self, grammar: str) -> None:
+        """LLMEngine.check_grammar, on a worker thread: the engine steps on meanwhile."""
+        await asyncio.to_thread(self.engine.check_grammar, grammar)
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -634,4 +694,4 @@ def _can_draft(params: SamplingParams) -> bool:
     logits alone: none of the penalties that depend on the tokens before it, no logprobs. A
     logit bias is the same at every position and Sampler.verify applies it to every row."""
     return (params.repetition_penalty == 1.0 and params.frequency_penalty == 0
-            and params.presence_penalty == 0 and not params.logprobs and params.grammar is None)
+            and params.presence_penalty == 0 and not params.logprobs)

@@ -48,7 +48,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: also the k most likely tokens at each step
-    # GBNF text every output must match; parsed by the runner when the request is added.
+    # The grammar every output must match: Lark or GBNF text, or llguidance's JSON form (what
+    # engine/constraint.py's functions build); compiled when the request is added.
     grammar: str | None = None
     # Prompt-lookup drafting: None follows the engine (drafts where it pays), True drafts at
     # every step where the prompt offers a match, False never.
@@ -90,7 +91,7 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "stop strings must be non-empty text")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
-            raise bad("grammar", self.grammar, "give GBNF text with a root rule, or leave it out")
+            raise bad("grammar", self.grammar, "give a grammar (Lark or GBNF text, or llguidance's JSON form), or leave it out")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     def check_vocab(self, n_vocab: int) -> None:

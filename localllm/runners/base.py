@@ -11,20 +11,6 @@ from localllm.engine.scheduler import SchedulerOutput
 from localllm.tokenizer import Vocab
 
 
-class Constraint(Protocol):
-    """A grammar's state for one sequence: which next tokens it allows."""
-
-    def apply(self, logits: np.ndarray) -> np.ndarray:
-        """A float32 copy of logits (vocab,) with every token the grammar forbids at -inf;
-        logits may be read-only (a view into the runner's memory)."""
-
-    def accept(self, token_id: int) -> None:
-        """Advance the grammar past a token that ``apply`` allowed."""
-
-    def free(self) -> None:
-        """Release the grammar; the sequence has ended."""
-
-
 class ModelRunner(KVListener, Protocol):
     name: str
     vocab: Vocab
@@ -35,9 +21,6 @@ class ModelRunner(KVListener, Protocol):
         """Compute the scheduled tokens; return (n, vocab) logits, one row for each scheduled
         sequence whose ``needs_logits`` is true, in schedule order. The rows may be a view
         into the runner's memory, valid until the next call."""
-
-    def make_constraint(self, gbnf: str) -> Constraint:
-        """A fresh grammar constraint; a grammar that cannot be parsed raises UsageError."""
 
     def seq_pos_range(self, seq_id: int) -> tuple[int, int] | None:
         """The (min, max) positions the storage holds for an active sequence, or None."""

@@ -16,7 +16,6 @@ lose their last slot are reported back so the BlockManager stops offering them.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import re
 from collections import OrderedDict
@@ -24,13 +23,12 @@ from pathlib import Path
 
 import llama_cpp as L
 import numpy as np
-from llama_cpp import llama_grammar
 
 from localllm import memory
 from localllm.config import DEFAULT_BATCH_TOKENS, EngineConfig
 from localllm.engine.request import Sequence
 from localllm.engine.scheduler import SchedulerOutput
-from localllm.errors import EngineError, ModelLoadError, UsageError
+from localllm.errors import EngineError, ModelLoadError
 from localllm.gguf_check import check_model
 
 
@@ -250,6 +248,11 @@ class LlamaVocab:
                 if attr(self._vocab, i) & L.LLAMA_TOKEN_ATTR_USER_DEFINED)
         return self._user_defined
 
+    def control_ids(self) -> list[int]:
+        """The control tokens (<|im_end|>, <|endoftext|>...): text never spells them out."""
+        attr = L.llama_vocab_get_attr
+        return [i for i in range(self.n_vocab) if attr(self._vocab, i) & L.LLAMA_TOKEN_ATTR_CONTROL]
+
     def token_to_piece(self, token_id: int) -> bytes:
         piece = self._pieces.get(token_id)
         if piece is None:
@@ -268,148 +271,9 @@ class LlamaVocab:
         return bool(L.llama_vocab_is_eog(self._vocab, token_id))
 
 
-# -- grammars --------------------------------------------------------------------------------
-
-# response_format {"type": "json_object"}: any JSON object.
-JSON_OBJECT_GRAMMAR = llama_grammar.JSON_GBNF
-
-_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])  # llama_token_data
-_ROOT_RULE = re.compile(r"^\s*root\s*::=", re.MULTILINE)
-
-
-def json_schema_to_grammar(schema: dict) -> str:
-    """GBNF text for the JSON values that match a JSON schema (llama.cpp's converter)."""
-    if not isinstance(schema, dict):
-        raise UsageError(f"the JSON schema is a {type(schema).__name__}; give a JSON object")
-    try:
-        return llama_grammar.json_schema_to_gbnf(json.dumps(schema))
-    except Exception as e:  # the converter raises whatever it meets; all of it is the schema's fault
-        raise UsageError(
-            f"the JSON schema cannot be turned into a grammar ({type(e).__name__}: {e}); "
-            "simplify it to the JSON Schema subset llama.cpp supports (no remote $ref)"
-        ) from None
-
-
-class _TokenData:
-    """A llama_token_data_array whose entries live in a numpy buffer of up to n tokens."""
-
-    def __init__(self, n: int) -> None:
-        self.buf = np.zeros(n, dtype=_TOKEN_DATA)  # (n,)
-        self.array = L.llama_token_data_array(
-            data=self.buf.ctypes.data_as(L.llama_token_data_p), size=0, selected=-1, sorted=False)
-        self._ref = ctypes.byref(self.array)
-
-    def apply(self, sampler, ids: np.ndarray | None, logits: np.ndarray) -> np.ndarray:
-        """The sampler's logits for tokens ids (k,) given their logits (k,); ids None: the
-        buffer already holds ids 0..k-1. The result is a view, valid until the next call."""
-        k = logits.size
-        entries = self.buf[:k]
-        if ids is not None:
-            entries["id"] = ids
-        entries["logit"] = logits
-        self.array.size, self.array.selected, self.array.sorted = k, -1, False
-        L.llama_sampler_apply(sampler, self._ref)
-        return entries["logit"]
-
-
-class _FirstByteIndex:
-    """The vocabulary grouped by the first byte of each token's text.
-
-    A grammar that rejects the one-byte token b rejects every token whose text starts with b
-    (it matches text left to right), so asking it about the ~256 one-byte tokens first and
-    then only about the groups of the bytes it took gives llama.cpp's full-vocabulary answer
-    at a fraction of its cost where the grammar is narrow (after '{' in JSON only tokens
-    starting with a quote, space, newline or '}' are asked). Tokens with no text never match.
-    End-of-generation tokens are always asked (the grammar allows them when it is complete).
-    """
-
-    def __init__(self, vocab: LlamaVocab) -> None:
-        n = vocab.n_vocab
-        first = np.full(n, -1, dtype=np.int16)  # (vocab,) first byte of the text; -1: none
-        eog_ids, rep_of_byte = [], {}
-        for t in range(n):
-            if vocab.is_eog(t):
-                eog_ids.append(t)
-                continue
-            piece = vocab._piece(t, special=True)  # the text llama.cpp's grammar matches
-            if piece:
-                first[t] = piece[0]
-                if len(piece) == 1:
-                    rep_of_byte.setdefault(piece[0], t)
-        self.eog_ids = np.array(eog_ids, dtype=np.int32)
-        self.rep_bytes = np.array(sorted(rep_of_byte), dtype=np.intp)  # (r,)
-        self.probe_ids = np.concatenate([  # (r + num_eog,) one-byte tokens, then EOG
-            np.array([rep_of_byte[b] for b in self.rep_bytes.tolist()], dtype=np.int32), self.eog_ids])
-        has_tokens = np.zeros(256, dtype=bool)
-        has_tokens[first[first >= 0]] = True
-        # Bytes with tokens but no one-byte token cannot be probed: always asked.
-        self.unprobed = has_tokens.copy()
-        self.unprobed[self.rep_bytes] = False
-        self.first_byte = np.where(first >= 0, first, 256).astype(np.intp)  # (vocab,) 256: no text
-
-
-class LlamaConstraint:
-    """A GBNF grammar's state for one sequence, on llama.cpp's grammar sampler.
-
-    ``apply`` masks a logits row: the tokens the grammar forbids become -inf. EOG tokens are
-    allowed exactly when the grammar is complete. ``accept`` advances it past a sampled token.
-    """
-
-    def __init__(self, vocab: LlamaVocab, gbnf: str, index: _FirstByteIndex | None) -> None:
-        self._sampler = L.llama_sampler_init_grammar(vocab._vocab, gbnf.encode("utf-8"), b"root")
-        if not self._sampler:
-            reason = ("it has no 'root' rule" if not _ROOT_RULE.search(gbnf) else
-                      "check its syntax, that every rule it uses is defined and that no rule "
-                      "starts with itself (left recursion)")
-            raise UsageError(f"llama.cpp cannot parse the grammar: {reason}; give valid GBNF "
-                             "text whose start rule is 'root'")
-        self.n_vocab = vocab.n_vocab
-        self._index = index
-        self._data = _TokenData(self.n_vocab)
-        self._data.buf["id"] = np.arange(self.n_vocab, dtype=np.int32)
-        self._ids_in_order = True  # the buffer holds 0..n_vocab-1
-
-    def apply(self, logits: np.ndarray) -> np.ndarray:
-        logits = np.asarray(logits, dtype=np.float32)  # (vocab,)
-        if self._index is None:
-            if not self._ids_in_order:
-                self._data.buf["id"] = np.arange(self.n_vocab, dtype=np.int32)
-                self._ids_in_order = True
-            return self._data.apply(self._sampler, None, logits).copy()
-        index = self._index
-        self._ids_in_order = False
-        out = np.full(self.n_vocab, -np.inf, dtype=np.float32)  # (vocab,)
-        probe = self._data.apply(self._sampler, index.probe_ids, logits[index.probe_ids])
-        num_reps = index.rep_bytes.size
-        out[index.eog_ids] = probe[num_reps:]
-        is_asked = np.append(index.unprobed, False)  # (257,) by first byte; 256: no text
-        is_asked[index.rep_bytes[np.isfinite(probe[:num_reps])]] = True
-        ids = np.flatnonzero(is_asked[index.first_byte]).astype(np.int32)  # (k,) ascending
-        if ids.size > self.n_vocab // 2:  # a gather would cost more than it saves
-            self._data.buf["id"] = np.arange(self.n_vocab, dtype=np.int32)
-            return self._data.apply(self._sampler, None, logits).copy()
-        if ids.size:
-            out[ids] = self._data.apply(self._sampler, ids, logits[ids])
-        return out
-
-    def accept(self, token_id: int) -> None:
-        # llama.cpp aborts the process on a token its grammar rejects: ask first.
-        probe = self._data.apply(self._sampler, np.array([token_id], dtype=np.int32),
-                                 np.zeros(1, dtype=np.float32))
-        self._ids_in_order = False
-        if not np.isfinite(probe[0]):
-            raise EngineError(f"token {token_id} is not allowed by the request's grammar")
-        L.llama_sampler_accept(self._sampler, token_id)
-
-    def free(self) -> None:
-        if self._sampler:
-            L.llama_sampler_free(self._sampler)
-            self._sampler = None
-
-
 class VocabFile:
-    """A GGUF file's vocabulary, and grammars over it, without its weights (llama.cpp's
-    vocab_only load): what the torch runner tokenizes and constrains with."""
+    """A GGUF file's vocabulary without its weights (llama.cpp's vocab_only load): what the
+    torch runner tokenizes with."""
 
     def __init__(self, path: Path):
         _init_backend()
@@ -420,12 +284,6 @@ class VocabFile:
         if not self.model:
             raise ModelLoadError(f"llama.cpp could not read the vocabulary of {path}; download it again")
         self.vocab = LlamaVocab(self.model)
-        self._first_byte_index: _FirstByteIndex | None = None
-
-    def make_constraint(self, gbnf: str) -> LlamaConstraint:
-        if self._first_byte_index is None:
-            self._first_byte_index = _FirstByteIndex(self.vocab)
-        return LlamaConstraint(self.vocab, gbnf, self._first_byte_index)
 
     def close(self) -> None:
         if getattr(self, "model", None):
@@ -504,7 +362,6 @@ class LlamaCppRunner:
                             f"{config.cache.kv_dtype}|fa {int(cparams.flash_attn_type)}|ngl {self.n_gpu_layers}").encode()
         self._init_batch()
         self._init_slots()
-        self._first_byte_index: _FirstByteIndex | None = None  # built for the first grammar
 
     def _init_slots(self) -> None:
         self._free_slots = list(range(self.n_slots - 1, -1, -1))
@@ -528,13 +385,6 @@ class LlamaCppRunner:
         self._batch_buffers = b = _NumpyBatch(self.max_batch)
         self._tokens, self._pos, self._seq_ids, self._logits_flags = b.tokens, b.pos, b.seq_ids, b.logits_flags
         self._batch = b.batch
-
-    def make_constraint(self, gbnf: str, prefilter: bool = True) -> LlamaConstraint:
-        """A grammar constraint; prefilter False asks llama.cpp about every token (slower,
-        the reference that the first-byte prefilter must equal)."""
-        if prefilter and self._first_byte_index is None:
-            self._first_byte_index = _FirstByteIndex(self.vocab)
-        return LlamaConstraint(self.vocab, gbnf, self._first_byte_index if prefilter else None)
 
     # -- a step -------------------------------------------------------------------------
 

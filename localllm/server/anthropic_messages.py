@@ -133,9 +133,9 @@ class AnthropicMessages:
         if choice is not None and choice.type == "tool" and not choice.name:
             raise APIError(400, "tool_choice of type 'tool' needs the tool's name", param="tool_choice.name")
         if tools and choice is not None and choice.type in ("any", "tool"):
-            grammar = server.tool_grammar(tools, choice.name if choice.type == "tool" else None, "tool_choice.name")
+            grammar = await server.tool_grammar(tools, choice.name if choice.type == "tool" else None, "tool_choice.name")
         elif req.output_config is not None and req.output_config.format is not None:
-            grammar = server.json_grammar(req.output_config.format.schema_, "output_config.format.schema")
+            grammar = await server.json_grammar(req.output_config.format.schema_, "output_config.format.schema")
         thinking = not (req.thinking is not None and req.thinking.type == "disabled")
         prompt_ids = await server.chat_prompt(messages, tools, thinking)
         answer = Answer(server.reasoning_for(prompt_ids))

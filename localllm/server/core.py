@@ -21,6 +21,7 @@ from fastapi import Request
 
 from localllm.chat_template import TemplateLimitError
 from localllm.config import ServerConfig
+from localllm.engine import constraint
 from localllm.engine.engine import AsyncEngine, RequestOutput
 from localllm.engine.request import SamplingParams
 from localllm.errors import NoChatTemplateError, ParameterError, TemplateError, UsageError
@@ -158,36 +159,27 @@ class Server:
         """How this prompt's answer marks its reasoning, or None when the template does not think."""
         return markers_for(self.tokenizer, prompt_ids) if self.template_thinks else None
 
-    def tool_grammar(self, tools: list[dict], name: str | None, param: str = "tool_choice") -> str:
-        """The grammar of an answer that must call a tool (``name``, or any of ``tools``)."""
-        from localllm.runners.llamacpp import json_schema_to_grammar
-        from localllm.tools import tool_call_grammar
-
+    async def tool_grammar(self, tools: list[dict], name: str | None, param: str = "tool_choice") -> str:
+        """The grammar of an answer that must call a tool (``name``, or any of ``tools``), its
+        arguments held to the tool's parameters schema."""
         if name is not None and name not in {t["function"]["name"] for t in tools}:
             raise APIError(400, f"tool_choice names '{name}', which is not among the tools", param=param)
-        try:
-            return tool_call_grammar(tools, json_schema_to_grammar, name)
-        except UsageError as e:
-            raise APIError(400, str(e), param="tools") from None
+        return await self.checked_grammar(lambda: constraint.tool_call_grammar(tools, name), "tools")
 
-    async def check_grammar(self, gbnf: str, param: str = "grammar") -> None:
-        """A request's own GBNF, parsed now so that a bad one is a 400 naming ``param`` before
-        any answer starts (the engine would parse it only when the request is added)."""
-        try:
-            await asyncio.wrap_future(self.engine.call(lambda engine: engine.check_grammar(gbnf)))
-        except UsageError as e:
-            raise APIError(400, str(e), param=param) from None
-
-    def json_grammar(self, schema: dict | None, param: str) -> str:
+    async def json_grammar(self, schema: dict | None, param: str) -> str:
         """The grammar of a JSON answer: any object (``schema`` None), or one that ``schema`` allows."""
-        from localllm.runners.llamacpp import JSON_OBJECT_GRAMMAR, json_schema_to_grammar
+        return await self.checked_grammar(lambda: constraint.json_grammar(schema), param)
 
-        if schema is None:
-            return JSON_OBJECT_GRAMMAR
+    async def checked_grammar(self, make: Callable[[], str], param: str) -> str:
+        """The grammar ``make`` builds, compiled now against the model's vocabulary, so that a
+        bad one (a schema llguidance cannot read or enforce, one no answer satisfies, a grammar
+        or regex that does not parse) is a 400 naming ``param`` before any answer starts."""
         try:
-            return json_schema_to_grammar(schema)
+            grammar = make()
+            await self.engine.check_grammar(grammar)
         except UsageError as e:
             raise APIError(400, str(e), param=param) from None
+        return grammar
 
     def split_tool_calls(self, text: str, tools: list[dict] | None, finish: str | None,
                          new_id: Callable[[], str]) -> tuple[str | None, list[ToolCall], str | None]:

@@ -1,7 +1,7 @@
 """OpenAI's chat completions and completions APIs (`/v1/chat/completions`, `/v1/completions`)
 over the shared request path (core.Server); their shapes are in protocol.py. Errors have
 OpenAI's shape and status. Both also take what llama-server's and vLLM's clients send beyond
-OpenAI's fields (protocol._Sampling): n_predict, grammar, json_schema, llama-server's
+OpenAI's fields (protocol._Sampling): n_predict, grammar, json_schema, regex, llama-server's
 response_format {"type": "json_object", "schema": ...}; completions take several prompts in
 one request, and return_tokens."""
 
@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from localllm.engine import constraint
 from localllm.engine.request import SamplingParams
 from localllm.errors import LocalLLMError, UsageError
 from localllm.server import protocol as P
@@ -36,27 +37,28 @@ def choice_params(server: Server, req: P._Sampling, max_tokens: int, logprobs: b
 
 
 async def request_grammar(server: Server, req: P._Sampling) -> str | None:
-    """The grammar the answer must match, from at most one of: ``grammar`` (GBNF text),
-    ``json_schema`` (both llama-server's) and ``response_format`` (OpenAI's json_object and
-    json_schema, and llama-server's json_object with a ``schema``)."""
+    """The grammar the answer must match, from at most one of: ``grammar`` (Lark or GBNF text),
+    ``json_schema`` (both llama-server's), ``regex`` (localllm's) and ``response_format``
+    (OpenAI's json_object and json_schema, and llama-server's json_object with a ``schema``)."""
     fmt = req.response_format if req.response_format is not None and req.response_format.type != "text" else None
     given = [name for name, value in (("grammar", req.grammar), ("json_schema", req.json_schema),
-                                      ("response_format", fmt)) if value is not None]
+                                      ("regex", req.regex), ("response_format", fmt)) if value is not None]
     if len(given) > 1:
         raise APIError(400, f"{given[0]} and {given[1]} each set what the answer must match; give one of them",
                        param=given[1])
     if req.grammar is not None:
-        await server.check_grammar(req.grammar, "grammar")
-        return req.grammar
+        return await server.checked_grammar(lambda: constraint.text_grammar(req.grammar), "grammar")
+    if req.regex is not None:
+        return await server.checked_grammar(lambda: constraint.regex_grammar(req.regex), "regex")
     if req.json_schema is not None:
-        return server.json_grammar(req.json_schema, "json_schema")
+        return await server.json_grammar(req.json_schema, "json_schema")
     if fmt is None:
         return None
     if fmt.type == "json_object":
-        return server.json_grammar(fmt.schema_, "response_format")
+        return await server.json_grammar(fmt.schema_, "response_format")
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
         raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
-    return server.json_grammar(fmt.json_schema.schema_, "response_format")
+    return await server.json_grammar(fmt.json_schema.schema_, "response_format")
 
 
 def usage(num_prompt: int, choices: list[Choice], num_per_prompt: int | None = None) -> P.Usage:
@@ -120,7 +122,7 @@ class OpenAIChat:
     async def grammar_for(self, req: P.ChatCompletionRequest, tools: list[dict] | None) -> str | None:
         if tools and (req.tool_choice == "required" or isinstance(req.tool_choice, P.NamedToolChoice)):
             name = req.tool_choice.function.get("name") if isinstance(req.tool_choice, P.NamedToolChoice) else None
-            return self.server.tool_grammar(tools, name)
+            return await self.server.tool_grammar(tools, name)
         return await request_grammar(self.server, req)
 
     def tool_calls(self, text: str, tools: list[dict] | None, finish: str | None):

@@ -107,16 +107,16 @@ class OpenAIResponses:
             # reasoning items: their text is not part of the prompt
         return messages
 
-    def grammar(self, req: ResponsesRequest, tools: list[dict] | None) -> str | None:
+    async def grammar(self, req: ResponsesRequest, tools: list[dict] | None) -> str | None:
         choice = req.tool_choice
         if tools and (choice == "required" or isinstance(choice, NamedFunction)):
-            return self.server.tool_grammar(tools, choice.name if isinstance(choice, NamedFunction) else None)
+            return await self.server.tool_grammar(tools, choice.name if isinstance(choice, NamedFunction) else None)
         fmt = req.text.format if req.text else None
         if fmt is None or fmt.type == "text":
             return None
         if fmt.type == "json_schema" and fmt.schema_ is None:
             raise APIError(400, "text.format of type json_schema needs its schema", param="text.format.schema")
-        return self.server.json_grammar(fmt.schema_ if fmt.type == "json_schema" else None, "text.format.schema")
+        return await self.server.json_grammar(fmt.schema_ if fmt.type == "json_schema" else None, "text.format.schema")
 
     async def create(self, req: ResponsesRequest, request: Request):
         server = self.server
@@ -126,7 +126,7 @@ class OpenAIResponses:
         tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                    "parameters": t.parameters or {"type": "object", "properties": {}}}}
                  for t in functions] if functions and req.tool_choice != "none" else None
-        grammar = self.grammar(req, tools)
+        grammar = await self.grammar(req, tools)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         thinking = (req.reasoning or {}).get("effort") != "none"
         prompt_ids = await server.chat_prompt(system + conversation, tools, thinking)

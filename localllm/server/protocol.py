@@ -112,12 +112,14 @@ class _Sampling(_Request):
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     # llama-server's (and vLLM's): n_predict is max_tokens (-1: until the context ends; it wins
-    # over max_tokens, as in llama-server); grammar is GBNF text the answer must match;
-    # json_schema a JSON schema it must match. At most one of grammar, json_schema and
-    # response_format.
+    # over max_tokens, as in llama-server); grammar is Lark (llguidance's) or GBNF text the
+    # answer must match; json_schema a JSON schema it must match. regex (localllm's, as vLLM's
+    # guided_regex) a regular expression the whole answer matches. At most one of grammar,
+    # json_schema, regex and response_format.
     n_predict: Int | None = Field(default=None, ge=-1)
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
+    regex: str | None = None
     # llama-server's, accepted and ignored: the prefix cache always caches and needs no slot;
     # no per-token timings or prompt progress are sent.
     cache_prompt: bool | None = None

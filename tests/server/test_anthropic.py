@@ -148,6 +148,11 @@ def test_errors_are_anthropic_errors(client, http, served_model, live_server):
         "unknown field": {"messages": FRANCE, "frobnicate": True},
         "no messages": {"messages": []},
         "named tool without a name": {"messages": FRANCE, "tools": [WEATHER_TOOL], "tool_choice": {"type": "tool"}},
+        "tool schema it cannot enforce": {"messages": FRANCE, "tool_choice": {"type": "any"}, "tools": [
+            WEATHER_TOOL | {"input_schema": {"type": "object", "properties": {"days": {
+                "type": "array", "uniqueItems": True}}}}]},
+        "unsatisfiable output schema": {"messages": FRANCE, "output_config": {"format": {
+            "type": "json_schema", "schema": {"type": "string", "minLength": 5, "maxLength": 2}}}},
     }
     for what, body in bad.items():
         body = {"model": served_model, "max_tokens": 8} | body
@@ -160,6 +165,10 @@ def test_errors_are_anthropic_errors(client, http, served_model, live_server):
             assert "text only" in message
         if what == "tool_result for no tool_use":
             assert "toolu_nope" in message
+        if what == "tool schema it cannot enforce":
+            assert '"uniqueItems", which localllm cannot enforce' in message
+        if what == "unsatisfiable output schema":
+            assert "minLength (5) is greater than maxLength (2)" in message
     anthropic_error(http.post("/v1/messages", content=b"{not json"), 400, "invalid_request_error")
     anthropic_error(http.post("/v1/messages/count_tokens", json={"model": served_model}), 400, "invalid_request_error")
     anthropic_error(http.get("/v1/messages"), 405, "invalid_request_error")

@@ -224,7 +224,9 @@ def test_llama_server_extension_fields_have_their_meaning(client, http, served_m
 
 
 @pytest.mark.parametrize("body, param, message", [
-    ({"grammar": "root ::= undefined_rule"}, "grammar", "cannot parse the grammar"),
+    ({"grammar": "root ::= undefined_rule"}, "grammar", "Rule 'undefined_rule' not found"),
+    ({"regex": "("}, "regex", "unclosed group"),
+    ({"regex": "[a-z]+", "grammar": 'root ::= "a"'}, "regex", "give one of them"),
     ({"grammar": 'root ::= "a"', "json_schema": {}}, "json_schema", "give one of them"),
     ({"json_schema": {"type": "object"}, "response_format": {"type": "json_object"}}, "response_format",
      "give one of them"),

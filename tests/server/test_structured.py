@@ -4,6 +4,7 @@ official openai client."""
 from __future__ import annotations
 
 import json
+import re
 
 import openai
 import pytest
@@ -100,6 +101,35 @@ def test_call_written_without_tags_is_a_tool_call(client, model_id):
     assert deltas[0].id.startswith("call")
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ""
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_regex_and_lark_grammar_shape_the_answer(client, model_id):
+    """localllm's regex and llama-server's grammar (Lark here; GBNF in test_llama_server_compat)."""
+    for seed in (1, 2):
+        r = client.chat.completions.create(
+            model=model_id, messages=[{"role": "user", "content": "When was the Eiffel tower built?"}], seed=seed,
+            max_tokens=30, extra_body={"regex": r"Built in (1[0-9]{3}|20[0-2][0-9])\."})
+        assert re.fullmatch(r"Built in (1[0-9]{3}|20[0-2][0-9])\.", r.choices[0].message.content)
+        assert r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model=model_id, prompt="Paris is in", max_tokens=20, temperature=0,
+                                  extra_body={"grammar": 'start: " " COUNTRY "."\nCOUNTRY: /[A-Z][a-z]+/'})
+    assert re.fullmatch(r" [A-Z][a-z]+\.", r.choices[0].text), r.choices[0].text
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "strnig"}, "Invalid type: strnig"),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength (5) is greater than maxLength (2)"),
+    ({"type": "array", "uniqueItems": True}, '"uniqueItems", which localllm cannot enforce'),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "missing"),
+])
+def test_schemas_it_cannot_follow_are_a_400_and_the_server_stays_well(client, model_id, live_server, schema, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}})
+    assert e.value.status_code == 400 and e.value.body["param"] == "response_format"
+    assert message in e.value.body["message"], e.value.body["message"]
+    assert "Traceback" not in live_server.log() and " 500 " not in live_server.log()
 
 
 def test_unknown_tool_choice_is_400(client, model_id):

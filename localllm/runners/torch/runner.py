@@ -6,7 +6,7 @@ a released or evicted block keeps its bytes until the BlockManager hands it out 
 a later write overwrites it), a truncation just moves the sequence's length back. The
 prefix store's payload is the K/V of a sequence's positions as KVPool.export_slots writes it.
 
-Tokenization and grammars use llama.cpp's vocabulary of the same file (VocabFile: no
+Tokenization uses llama.cpp's vocabulary of the same file (VocabFile: no
 weights loaded), so both runners see the same token ids.
 """
 
@@ -246,9 +246,6 @@ class TorchRunner:
             return np.empty((0, self.vocab.n_vocab), dtype=np.float32)
         logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
         return logits.float().cpu().numpy()
-
-    def make_constraint(self, gbnf: str):
-        return self.vocab_file.make_constraint(gbnf)
 
     # -- KV bookkeeping (KVListener) ----------------------------------------------------
 
