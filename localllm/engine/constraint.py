@@ -122,6 +122,13 @@ def _reason(error: str) -> str:
     if missing:
         return (f"the schema uses {missing.group(1)}, which localllm cannot enforce; "
                 "remove the keyword or express it another way")
+    if error.startswith("oneOf constraints are not supported"):
+        return ('the schema uses "oneOf", which localllm cannot enforce (exactly one branch, never two); '
+                'use "anyOf" where any branch will do')
+    if "look-around" in error:
+        pattern = error.splitlines()[1].strip() if len(error.splitlines()) > 1 else ""
+        return (f'a regular expression uses look-around ({pattern}), which localllm cannot enforce; '
+                "write it without (?= (?! (?<= (?<!")
     unknown = _UNKNOWN_FORMAT.match(error)
     if unknown:
         return (f'the schema uses format "{unknown.group(1)}", which localllm cannot enforce; '
