@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,10 +61,12 @@ class Choice:
     finish_reason: str | None = None
     stop_sequence: str | None = None
     metrics: object = None
+    first_token_time: float | None = None  # time.perf_counter() when the first token came
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave (known with the first token)
 
     @property
     def num_cached_tokens(self) -> int:
-        return self.metrics.num_cached_tokens if self.metrics else 0
+        return self.metrics.num_cached_tokens if self.metrics else self.cached_tokens
 
 
 @dataclass(frozen=True)
@@ -292,6 +295,10 @@ class Server:
         return choices
 
     def add(self, choice: Choice, out: RequestOutput) -> None:
+        if out.token_ids and choice.first_token_time is None:
+            choice.first_token_time = time.perf_counter()
+        if out.num_cached_tokens is not None:
+            choice.cached_tokens = out.num_cached_tokens
         choice.text += out.text
         choice.token_ids += out.token_ids
         if out.logprobs:

@@ -4,9 +4,12 @@ request path (core.Server), on the same FIM prompt as `/v1/completions`' `suffix
 `prompt` (text already typed at the cursor), streaming as llama-server streams it.
 
 Fields llama-server takes that mean nothing here (`cache_prompt`: the prefix cache always
-caches; `samplers`, `n_indent`, `id_slot`, `response_fields`, ...) are accepted and ignored; a
-known field of the wrong type is a 400. `t_max_predict_ms` ends the answer once that long has
-passed since its first token and it holds a newline, as llama-server does. Errors have
+caches; `samplers`, `id_slot`, ...) are accepted and ignored; a known field of the
+wrong type is a 400. `response_fields` (llama.vim's) picks the fields of the answer, as in
+llama-server: a flat object keyed by each path asked for ("timings/prompt_n"), the paths that
+exist only. `t_max_predict_ms` ends the answer once that long has
+passed since its first token and it holds a newline, and `n_indent` at a line indented less
+than the cursor's, as llama-server does. Errors have
 OpenAI's shape, as llama-server's do.
 """
 
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -54,6 +57,8 @@ class InfillRequest(BaseModel):
     stop: list[str] | None = None
     stream: bool = False
     t_max_predict_ms: Int | None = Field(default=None, ge=0)
+    n_indent: Int | None = Field(default=None, ge=0)
+    response_fields: list[str] | None = Field(default=None, max_length=64)
 
 
 class InfillResult(BaseModel):
@@ -95,57 +100,104 @@ class Infill:
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
         server.check_capacity(1)
         started = time.perf_counter()
-        until = _time_limit(req.t_max_predict_ms)
+        until = _limits(req.t_max_predict_ms, req.n_indent)
         if req.stream:
-            return StreamingResponse(self.stream(prompt_ids, params, started, until), media_type="text/event-stream")
+            return StreamingResponse(self.stream(prompt_ids, params, started, until, req.response_fields),
+                                     media_type="text/event-stream")
         [c] = await server.collect(request, prompt_ids, params, until)
-        return self.result(c, prompt_ids, started)
+        return self.result(c, prompt_ids, started, fields=req.response_fields)
 
-    def result(self, c: Choice, prompt_ids: list[int], started: float, content: str | None = None) -> dict:
+    def result(self, c: Choice, prompt_ids: list[int], started: float, content: str | None = None,
+               fields: list[str] | None = None) -> dict:
         elapsed_ms = (time.perf_counter() - started) * 1000
-        m = c.metrics
-        prompt_ms = m.ttft * 1000 if m and m.ttft else 0.0
+        prompt_ms = (c.first_token_time - started) * 1000 if c.first_token_time is not None else elapsed_ms
         predicted_ms = max(elapsed_ms - prompt_ms, 0.0)
+        num_prompt = len(prompt_ids) - c.num_cached_tokens
         stop_type = {"stop": "word" if c.stop_sequence is not None else "eos", "length": "limit"}.get(
             c.finish_reason or "", "none")
-        return InfillResult(
+        result = InfillResult(
             content=c.text if content is None else content, stop=True, model=self.server.model_id,
             tokens_predicted=len(c.token_ids), tokens_evaluated=len(prompt_ids), tokens_cached=c.num_cached_tokens,
             stop_type=stop_type, stopping_word=c.stop_sequence or "", truncated=False,
-            timings={"prompt_n": len(prompt_ids) - c.num_cached_tokens, "prompt_ms": prompt_ms,
+            timings={"prompt_n": num_prompt, "prompt_ms": prompt_ms,
+                     "prompt_per_token_ms": prompt_ms / num_prompt if num_prompt else 0.0,
+                     "prompt_per_second": num_prompt / prompt_ms * 1000 if prompt_ms else 0.0,
                      "predicted_n": len(c.token_ids), "predicted_ms": predicted_ms,
-                     "predicted_per_second": len(c.token_ids) / predicted_ms * 1000 if predicted_ms else 0.0}).model_dump()
+                     "predicted_per_token_ms": predicted_ms / len(c.token_ids) if c.token_ids else 0.0,
+                     "predicted_per_second": len(c.token_ids) / predicted_ms * 1000 if predicted_ms else 0.0}
+        ).model_dump()
+        return picked(result, fields) if fields else result
 
-    async def stream(self, prompt_ids: list[int], params, started: float, until) -> AsyncIterator[str]:
+    async def stream(self, prompt_ids: list[int], params, started: float, until,
+                     fields: list[str] | None = None) -> AsyncIterator[str]:
         """llama-server's stream: `{"content": piece, "stop": false}` per piece, then the result."""
-        c, out = Choice(0), None
+        c, out, sent = Choice(0), None, 0
         try:
             async for _, out in self.server.run_choices(prompt_ids, params):
                 self.server.add(c, out)
-                if out.text and not out.finished:
-                    yield sse({"content": out.text, "stop": False, "tokens": out.token_ids})
-                if until is not None and c.finish_reason is None and until(c):
+                cut = until is not None and c.finish_reason is None and until(c)
+                if cut:
                     c.finish_reason = "length"
+                if len(c.text) > sent and not out.finished:
+                    yield sse({"content": c.text[sent:], "stop": False, "tokens": out.token_ids})
+                    sent = len(c.text)
+                if cut:
                     break
         except LocalLLMError as e:
             yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
             return
-        last = out.text if out is not None and out.finished else ""
-        yield sse(self.result(c, prompt_ids, started, content=last))
+        yield sse(self.result(c, prompt_ids, started, content=c.text[sent:], fields=fields))
 
 
-def _time_limit(t_max_predict_ms: int | None):
-    """llama-server's t_max_predict_ms: over that long since the first token, with a newline written."""
-    if not t_max_predict_ms:
+def picked(result: dict, fields: list[str]) -> dict:
+    """llama-server's response_fields: {path: value} for each "a/b" path that the result has."""
+    out = {}
+    for path in fields:
+        value, found = result, True
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                found = False
+                break
+            value = value[key]
+        if found:
+            out[path] = value
+    return out
+
+
+def _limits(t_max_predict_ms: int | None, n_indent: int | None) -> Callable[[Choice], bool] | None:
+    """llama-server's ends of an editor's answer, as ``until`` for Server.collect: a line after
+    the first whose indentation is below ``n_indent`` (the cursor line's: the block is done), its
+    text cut away; or ``t_max_predict_ms`` since the first token with a newline written."""
+    if not t_max_predict_ms and not n_indent:
         return None
     first: list[float] = []
 
     def over(c: Choice) -> bool:
         if not first:
             first.append(time.perf_counter())
-        return "\n" in c.text and (time.perf_counter() - first[0]) * 1000 > t_max_predict_ms
+        if n_indent:
+            cut = indent_cut(c.text, n_indent)
+            if cut is not None:
+                c.text = c.text[:cut]
+                return True
+        return bool(t_max_predict_ms) and "\n" in c.text and (time.perf_counter() - first[0]) * 1000 > t_max_predict_ms
 
     return over
+
+
+def indent_cut(text: str, n_indent: int) -> int | None:
+    """Where llama-server's n_indent ends ``text``: at the first character of the first line after
+    the first newline that has one, is indented by fewer than n_indent spaces or tabs (a blank
+    line counts as 0); None when no line does yet."""
+    start = text.find("\n")
+    while start != -1:
+        pos = start + 1
+        while pos < len(text) and text[pos] in " \t":
+            pos += 1
+        if pos < len(text) and pos - start - 1 < n_indent:
+            return pos
+        start = text.find("\n", start + 1)
+    return None
 
 
 def add_routes(app: FastAPI, models: ServedModels) -> None:

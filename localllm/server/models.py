@@ -174,7 +174,10 @@ class ServedModels:
 
     def entry(self, name: str | None, kind: str) -> ModelEntry:
         """The entry a request's ``model`` names, for a door of ``kind`` ("text": chat and
-        completion models; "embedding"); None: the door's default model."""
+        completion models; "embedding"); None or "": the door's default model (llama-server
+        takes "" so, and llama.vim sends it when no model is configured)."""
+        if name is not None and not name.strip():
+            name = None
         entries = self.manager.entries
         upstream = self.upstream(name)
         if upstream is not None:
