@@ -58,6 +58,9 @@ def test_model_may_be_left_out_of_every_openai_request(http, served_model):
         assert r.json()["model"] == served_model
     embedding = http.post("/v1/embeddings", json={"input": "hi"})
     assert embedding.status_code == 200 and len(embedding.json()["data"][0]["embedding"]) == 384
+    # An empty name is the default model too, as llama-server takes it (llama.vim sends "").
+    empty = http.post("/v1/chat/completions", json={"model": "", "messages": FRANCE, "max_tokens": 1})
+    assert empty.status_code == 200 and empty.json()["model"] == served_model
     # A name that is not served stays a 404 that lists the served one.
     err = error_body(http.post("/v1/chat/completions", json={"model": "gpt-4o", "messages": FRANCE}), 404, "model")
     assert err["code"] == "model_not_found" and served_model in err["message"]
