@@ -291,8 +291,13 @@ class LLMEngine:
         def fill() -> dict[int, np.ndarray]:
             masks = {}
             for seq_id, constraint, draft in work:
-                rows = masks[seq_id] = constraint.new_masks(1 + len(draft))
-                constraint.fill_draft(draft, rows)
+                rows = constraint.new_masks(1 + len(draft))
+                try:
+                    constraint.fill_draft(draft, rows)
+                except UsageError as e:  # its grammar broke: that sequence ends (_sample, _verify)
+                    log.warning("sequence %d: its grammar cannot go on: %s", seq_id, e)
+                    continue
+                masks[seq_id] = rows
             return masks
 
         return self._mask_thread.submit(fill)
@@ -376,6 +381,8 @@ class LLMEngine:
         draft, seq.draft_token_ids = seq.draft_token_ids, []
         constraint = self._constraints.get(seq.request_id)
         if constraint is not None:
+            if masks is None:  # its grammar broke while its masks were computed
+                return self._finish(seq, FinishReason.ERROR, RequestOutput(seq.request_id))
             rows = np.stack([constraint.masked(rows[i], masks[i]) for i in range(len(rows))])
         emitted, num_accepted = self.sampler.verify(seq, draft, rows)
         seq.num_draft_proposed += len(draft)
@@ -412,9 +419,13 @@ class LLMEngine:
         constraint = self._constraints.get(seq.request_id)
         if constraint is None:
             return self.sampler.sample(seq, logits)
-        if mask is None:
+        if mask is None:  # none this step (its grammar broke on the mask thread): once more, here
             mask = constraint.new_masks(1)[0]
-            constraint.fill(mask)
+            try:
+                constraint.fill(mask)
+            except UsageError as e:
+                log.warning("request %s: its grammar cannot go on: %s", seq.request_id, e)
+                return None
         if constraint.error is not None:
             log.warning("request %s: its grammar cannot go on: %s", seq.request_id, constraint.error)
             return None

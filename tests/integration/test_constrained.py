@@ -222,3 +222,26 @@ def test_greedy_fast_path_gives_the_masked_argmax(qwen):
                                                     logprobs=True))[0]
     assert fast.token_ids == masked.token_ids
     assert set(json.loads(fast.text)) == {"name", "age"}
+
+
+def test_a_grammar_that_breaks_mid_answer_ends_only_its_own_request(qwen):
+    """A constraint whose mask cannot be computed (llguidance in an error state) ends that
+    request with finish reason "error"; the request beside it finishes as it would alone."""
+    prompt = chat(qwen, "Describe a fictional person (name and age) as JSON.")
+    params = SamplingParams(temperature=0.0, max_tokens=24, grammar=C.json_grammar(PERSON))
+    alone = qwen.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24))[0]
+    broken = qwen.add_request(prompt, params)
+    other = qwen.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=24))
+    qwen.step()  # the prompts, and the first tokens
+
+    def fail(mask):
+        raise UsageError("the grammar is in an error state")
+
+    qwen._constraints[broken.request_id].fill = fail
+    outputs = {}
+    while qwen.has_unfinished:
+        for out in qwen.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    assert outputs[broken.request_id][-1].finish_reason == "error"
+    assert [t for o in outputs[other.request_id] for t in o.token_ids] == alone.token_ids[1:]
+    assert not qwen._constraints
