@@ -114,6 +114,20 @@ def test_streamed_tool_use_arrives_as_input_json(client, served_model):
     assert call.name == "get_weather" and isinstance(call.input["city"], str)
 
 
+def test_output_config_format_holds_the_answer_to_its_schema(http, served_model):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"], "additionalProperties": False}
+    r = http.post("/v1/messages", json={
+        "model": served_model, "max_tokens": 60, "temperature": 0.7, "messages": FRANCE,
+        "output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    value = json.loads(body["content"][0]["text"])
+    assert set(value) == {"city", "population"} and type(value["population"]) is int and value["population"] >= 0
+    assert body["stop_reason"] == "end_turn"
+
+
 def test_max_tokens_and_stop_sequences_end_the_answer(client, served_model):
     cut = client.messages.create(model=served_model, max_tokens=3, extra_body=GREEDY,
                                  messages=[{"role": "user", "content": "Count from 1 to 20, one per line."}])
