@@ -22,7 +22,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from localllm.errors import LocalLLMError, UsageError
 from localllm.server.core import Choice, Server, sse
@@ -75,6 +75,11 @@ class InfillResult(BaseModel):
     stopping_word: str
     truncated: bool
     timings: dict[str, Any]
+
+
+class PickedFields(RootModel[dict[str, Any]]):
+    """The answer with `response_fields`: each path asked for that it has ("timings/prompt_n"),
+    flat."""
 
 
 class Infill:
@@ -203,7 +208,7 @@ def indent_cut(text: str, n_indent: int) -> int | None:
 def add_routes(app: FastAPI, models: ServedModels) -> None:
 
     @app.post("/infill", response_model=None,
-              responses={200: {"model": InfillResult, "content": {"text/event-stream": {}}}})
+              responses={200: {"model": InfillResult | PickedFields, "content": {"text/event-stream": {}}}})
     async def infill(body: InfillRequest, request: Request):
         async with models.lease(body.model, body.keep_alive) as lease:
             return lease.hand_over(await Infill(lease.server).infill(body, request))
