@@ -5,8 +5,9 @@
 
 #include "localllm_native.h"
 
-static int detected = -1; /* the CPU's tier (LM_ISA_*) */
-static int cap = LM_ISA_AVX512VNNI; /* the highest tier allowed */
+static int detected = -1; /* the CPU's best tier (LM_ISA_*) */
+static int tiers;          /* bit t: the CPU has tier t (AVX-512 VNNI without AVX-VNNI skips tier 2) */
+static int cap = LM_ISA_AVX512VNNI; /* the tier asked for: the highest the CPU has at most this */
 static int has_f16c, has_avx512; /* AVX-512 F/BW/VL/DQ with FMA: attention's wide copy, which needs no VNNI */
 
 static void detect(void) {
@@ -17,14 +18,16 @@ static void detect(void) {
     const int avx2 = has_f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     has_avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    const int vnni = avx2 && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
-                     __builtin_cpu_supports("avx512vnni");
-    const int vnni512 = vnni && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-    __atomic_store_n(&detected, vnni512 ? LM_ISA_AVX512VNNI : vnni ? LM_ISA_AVX512VNNI_256 : avx2 ? LM_ISA_AVX2 : LM_ISA_SCALAR,
-                     __ATOMIC_RELEASE);
+    const int avxvnni = avx2 && __builtin_cpu_supports("avxvnni");
+    const int vnni512 = has_avx512 && __builtin_cpu_supports("avx512vnni");
+    tiers = 1 << LM_ISA_SCALAR | avx2 << LM_ISA_AVX2 | avxvnni << LM_ISA_AVXVNNI | vnni512 << LM_ISA_AVX512VNNI;
 #else
-    __atomic_store_n(&detected, LM_ISA_SCALAR, __ATOMIC_RELEASE);
+    tiers = 1 << LM_ISA_SCALAR;
 #endif
+    int best = LM_ISA_SCALAR;
+    for (int t = LM_ISA_SCALAR; t <= LM_ISA_AVX512VNNI; t++)
+        if (tiers >> t & 1) best = t;
+    __atomic_store_n(&detected, best, __ATOMIC_RELEASE);
 }
 
 int lm_isa_detected(void) {
@@ -32,14 +35,22 @@ int lm_isa_detected(void) {
     return detected;
 }
 
+int lm_isa_tiers(void) {
+    detect();
+    return tiers;
+}
+
 int lm_isa(void) {
     detect();
-    return detected < cap ? detected : cap;
+    int t = cap;
+    while (!(tiers >> t & 1)) t--; /* tier 0 is always there */
+    return t;
 }
 
 int lm_set_isa(int level) {
     detect();
-    if (level < LM_ISA_SCALAR || level > detected) return LM_EINVAL; /* never a tier the CPU lacks */
+    if (level < LM_ISA_SCALAR || level > LM_ISA_AVX512VNNI || !(tiers >> level & 1))
+        return LM_EINVAL; /* never a tier the CPU lacks */
     cap = level;
     return LM_OK;
 }
@@ -51,5 +62,5 @@ int lm_isa_f16c(void) {
 
 int lm_isa_avx512(void) {
     detect();
-    return has_avx512 && cap >= LM_ISA_AVX512VNNI_256;
+    return has_avx512 && cap >= LM_ISA_AVX512VNNI; /* Skylake-X too: AVX-512 F without VNNI */
 }

@@ -36,8 +36,9 @@ static inline float lm_half_to_float(uint16_t h) {
 #define LM_ENOMEM 2
 #define LM_MAX_THREADS 256
 
-#define LM_ABI_VERSION 6 /* 3: lm_paged_attention takes kv_type and the q8_0 scales; 4: lm_repack, lm_cpu_level; 5: rows.c;
-                            6: isa.c (lm_isa, lm_set_isa) in place of lm_cpu_level */
+#define LM_ABI_VERSION 7 /* 3: lm_paged_attention takes kv_type and the q8_0 scales; 4: lm_repack, lm_cpu_level; 5: rows.c;
+                            6: isa.c (lm_isa, lm_set_isa) in place of lm_cpu_level; 7: kquant.c (Q4_K, Q5_K,
+                            Q6_K on every tier), tier 2 is AVX-VNNI */
 
 /* What a KV pool holds (lm_paged_attention's kv_type). */
 #define LM_KV_F32 0
@@ -49,6 +50,7 @@ static inline float lm_half_to_float(uint16_t h) {
 #define LM_Q5_0 6
 #define LM_Q8_0 8
 #define LM_Q4_K 12
+#define LM_Q5_K 13
 #define LM_Q6_K 14
 #define LM_Q5_0P 106 /* Q5_0 repacked in pairs of blocks for AVX-512 (qmatmul.c); not a GGML type */
 #define LM_Q4_0P 102 /* Q4_0 likewise */
@@ -66,6 +68,9 @@ int lm_paged_attention(const float *q, float *out, const void *k, const void *v,
                        int n_swa, int n_threads);
 
 int lm_block_bytes(int wtype);
+int lm_kquant_bytes(int wtype);
+int lm_qmatmul_k(const float *x, int M, int K, const uint8_t *w, int wtype, int N, float *y, int n_threads,
+                 int level);
 int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N, float *y, int n_threads,
                int force_scalar);
 int lm_dequantize(const uint8_t *w, int wtype, int N, int K, float *out);
@@ -78,12 +83,25 @@ int lm_rope(const float *x, float *out, const float *cs, const float *sn, int ro
  * CPU has and lm_set_isa allows. */
 #define LM_ISA_SCALAR 0
 #define LM_ISA_AVX2 1 /* AVX2, FMA, F16C */
-#define LM_ISA_AVX512VNNI_256 2 /* AVX-512 VNNI on 256-bit vectors (no AVX-512 F / DQ) */
+#define LM_ISA_AVXVNNI 2 /* AVX2 with AVX-VNNI (VEX vpdpbusd on 256-bit vectors: Intel's laptop chips since Alder Lake) */
 #define LM_ISA_AVX512VNNI 3
 int lm_isa(void);
 int lm_isa_detected(void);
+int lm_isa_tiers(void); /* bit t: the CPU has tier t */
 int lm_set_isa(int level);
 int lm_isa_f16c(void);   /* float16 conversions with F16C */
-int lm_isa_avx512(void); /* attention's AVX-512 copy (F, BW, VL, DQ; no VNNI needed) */
+int lm_isa_avx512(void); /* attention's AVX-512 copy (F, BW, VL, DQ; no VNNI needed), unless a lower tier is forced */
+
+/* The one order in which every tier adds the float lanes of a dot product (the AVX2 copy: the
+ * upper half onto the lower, then the upper two onto the lower two, then the two), so that the
+ * result does not depend on the tier. lm_sum16: lane i with lane i + 8 first. */
+static inline float lm_sum8(const float v[8]) {
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+static inline float lm_sum16(const float v[16]) {
+    float t[8];
+    for (int i = 0; i < 8; i++) t[i] = v[i] + v[i + 8];
+    return lm_sum8(t);
+}
 
 #endif

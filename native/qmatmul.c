@@ -7,7 +7,9 @@
  * stored), each block's products are summed in integers and scaled once by d_w * d_x.
  *
  * Rows of W are shared out to the thread pool. Where the CPU has AVX-512 VNNI, tiles of 4 rows
- * of W by 4 rows of x (below); elsewhere a row of W at a time against 4 rows of x.
+ * of W by 4 rows of x (below); elsewhere a row of W at a time against 4 rows of x. Every tier
+ * gives the same bits: the integer sums are exact and the float part is added in one order
+ * (rows_scalar). K-quant super-blocks are kquant.c's.
  */
 
 #include <math.h>
@@ -72,7 +74,7 @@ static inline float unpack_block(int wtype, const uint8_t *b, int8_t *w) {
 #define LM_X86 1
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
-#define VNNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+#define VNNI_TARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
 
 AVX2_TARGET static inline __m256i bytes_from_nibbles(const uint8_t *qs) {
     const __m128i t = _mm_loadu_si128((const __m128i *)qs);
@@ -98,48 +100,60 @@ AVX2_TARGET static inline __m256i unpack_avx2(int wtype, const uint8_t *b) {
     return _mm256_or_si256(bytes_from_nibbles(b + 6), hi);
 }
 
-AVX2_TARGET static inline float hsum(__m256 v) {
+AVX2_TARGET static inline float hsum(__m256 v) { /* lm_sum8's order */
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
+/* A row of W at a time against 4 rows of x, its blocks unpacked once for the 4. Block b's 8
+ * lane sums go to the accumulator of its parity (the lanes (b % 2) * 8 .. + 7 of lm_sum16's
+ * order), as the AVX-512 loops hold a pair of blocks in one vector: the same bits on every tier.
+ * (Unpacking a run of rows once into scratch for all the rows of x was tried: within 10 % either
+ * way from 8 to 128 rows, the products cost more than the unpacking.) */
 #define ROWS_KERNEL(NAME, TARGET, DOT)                                                                  \
-    TARGET static void NAME(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb,     \
-                            const qblock_t *xq, const float *xd, int M, float *y, int N) {              \
+    TARGET static inline __attribute__((always_inline)) void NAME##_row(                               \
+        int wtype, const uint8_t *row, int nb, const qblock_t *xq, const float *xd, int mc, float *y, int N, int n) { \
         const int bb = lm_block_bytes(wtype);                                                           \
-        for (int n = n0; n < n1; n++) {                                                                 \
-            const uint8_t *row = w + (size_t)n * row_bytes;                                             \
-            for (int m0 = 0; m0 < M; m0 += 4) {                                                         \
-                const int mc = M - m0 < 4 ? M - m0 : 4;                                                 \
-                __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),         \
-                                 _mm256_setzero_ps()};                                                  \
-                for (int b = 0; b < nb; b++) {                                                          \
-                    const uint8_t *blk = row + (size_t)b * bb;                                          \
-                    uint16_t dh;                                                                        \
-                    memcpy(&dh, blk, 2);                                                                \
-                    const float dw = _cvtsh_ss(dh);                                                     \
-                    const __m256i q = unpack_avx2(wtype, blk);                                          \
-                    const __m256i aq = _mm256_sign_epi8(q, q);                                          \
-                    for (int i = 0; i < mc; i++) {                                                      \
-                        const size_t xi = (size_t)(m0 + i) * nb + b;                                    \
-                        const __m256i xv = _mm256_loadu_si256((const __m256i *)xq[xi].q);               \
-                        const __m256i sx = _mm256_sign_epi8(xv, q);                                     \
-                        const __m256i s32 = DOT(aq, sx);                                                \
-                        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_set1_ps(dw * xd[xi]), acc[i]); \
-                    }                                                                                   \
-                }                                                                                       \
-                for (int i = 0; i < mc; i++) y[(size_t)(m0 + i) * N + n] = hsum(acc[i]);                \
+        __m256 acc[2][4];                                                                               \
+        for (int i = 0; i < 4; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();                        \
+        for (int b = 0; b < nb; b++) {                                                                  \
+            const uint8_t *blk = row + (size_t)b * bb;                                                  \
+            uint16_t dh;                                                                                \
+            memcpy(&dh, blk, 2);                                                                        \
+            const float dw = _cvtsh_ss(dh);                                                             \
+            const __m256i q = unpack_avx2(wtype, blk);                                                  \
+            const __m256i aq = _mm256_sign_epi8(q, q);                                                  \
+            for (int i = 0; i < mc; i++) {                                                              \
+                const size_t xi = (size_t)i * nb + b;                                                   \
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)xq[xi].q);                       \
+                const __m256i s32 = DOT(aq, _mm256_sign_epi8(xv, q));                                   \
+                acc[b & 1][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_set1_ps(dw * xd[xi]), acc[b & 1][i]); \
             }                                                                                           \
         }                                                                                               \
+        for (int i = 0; i < mc; i++) y[(size_t)i * N + n] = hsum(_mm256_add_ps(acc[0][i], acc[1][i]));  \
+    }                                                                                                   \
+                                                                                                        \
+    TARGET static void NAME(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb,     \
+                            const qblock_t *xq, const float *xd, int M, float *y, int N) {              \
+        for (int n = n0; n < n1; n++)                                                                   \
+            for (int m0 = 0; m0 < M; m0 += 4) {                                                         \
+                const int mc = M - m0 < 4 ? M - m0 : 4;                                                 \
+                const uint8_t *row = w + (size_t)n * row_bytes;                                         \
+                const qblock_t *xs = xq + (size_t)m0 * nb;                                              \
+                const float *ds = xd + (size_t)m0 * nb;                                                 \
+                if (mc == 1) NAME##_row(wtype, row, nb, xs, ds, 1, y + (size_t)m0 * N, N, n);           \
+                else if (mc == 4) NAME##_row(wtype, row, nb, xs, ds, 4, y + (size_t)m0 * N, N, n);      \
+                else NAME##_row(wtype, row, nb, xs, ds, mc, y + (size_t)m0 * N, N, n);                  \
+            }                                                                                           \
     }
 
 AVX2_TARGET static inline __m256i dot_avx2(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 VNNI_TARGET static inline __m256i dot_vnni(__m256i u, __m256i s) {
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
 }
 
 ROWS_KERNEL(rows_avx2, AVX2_TARGET, dot_avx2)
@@ -154,6 +168,10 @@ ROWS_KERNEL(rows_vnni, VNNI_TARGET, dot_vnni)
 #define VNNI512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
 #define TILE_W 4
 #define TILE_X 4
+
+VNNI512_TARGET static inline float sum16(__m512 v) { /* lm_sum16's order */
+    return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+}
 
 VNNI512_TARGET static inline __m512 pair_scales(float a, float b) {
     return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
@@ -234,7 +252,7 @@ VNNI512_TARGET static inline __attribute__((always_inline)) void pairs_direct(
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32), _mm512_mul_ps(dw, x->dx), acc[i]);
             }
         }
-        for (int i = 0; i < M; i++) y[(size_t)i * N + n] = _mm512_reduce_add_ps(acc[i]);
+        for (int i = 0; i < M; i++) y[(size_t)i * N + n] = sum16(acc[i]);
     }
 }
 
@@ -301,7 +319,7 @@ VNNI512_TARGET static inline __attribute__((always_inline)) void tile_vnni512(
         }
     }
     for (int r = 0; r < nr; r++)
-        for (int i = 0; i < mr; i++) y[(size_t)i * y_stride + n + r] = _mm512_reduce_add_ps(acc[r][i]);
+        for (int i = 0; i < mr; i++) y[(size_t)i * y_stride + n + r] = sum16(acc[r][i]);
 }
 
 /* The same tile with its weights unpacked as it goes: for M of at most TILE_X (a decode step),
@@ -342,7 +360,7 @@ VNNI512_TARGET static inline __attribute__((always_inline)) void tile_direct(
         }
     }
     for (int r = 0; r < nr; r++)
-        for (int i = 0; i < mr; i++) y[(size_t)i * y_stride + n + r] = _mm512_reduce_add_ps(acc[r][i]);
+        for (int i = 0; i < mr; i++) y[(size_t)i * y_stride + n + r] = sum16(acc[r][i]);
 }
 
 /* Returns 0, or -1 when the scratch for the unpacked tile cannot be had. */
@@ -395,206 +413,11 @@ VNNI512_TARGET static int rows_vnni512(int wtype, const uint8_t *w, size_t row_b
     return 0;
 }
 
-/* ---- Q4_K and Q6_K, for AVX-512 VNNI ----------------------------------------------------
- * Super-blocks of 256 weights, read in place, against x quantized as llama.cpp's Q8_K: per
- * 256 values one float scale d = max / -127 (max: the value of largest magnitude), values
- * round(x / d) capped at 127. As llama.cpp sums them: per super-block the integer sum of
- * sub-block scale times sub-block products, scaled once by d_w * d_x (Q4_K: less dmin_w * d_x
- * times the sum of sub-block mins times x's sums over those sub-blocks).
- *   Q6_K (210 bytes): ql[128] low 4 bits, qh[64] high 2 bits, scales[16] int8 (one per 16
- *     weights), d. Weight = d * scale * (q - 32), q in 0..63.
- *   Q4_K (144 bytes): d, dmin, scales[12] (8 scales and 8 mins of 6 bits, one per 32
- *     weights), qs[128] nibbles. Weight = d * scale * q - dmin * min, q in 0..15.
- * Each 64 weights unpack into one vector of unsigned q; VNNI multiplies them by x from a start
- * value (Q6_K: -32 * x's sums per 4 lanes, made once per row of x), each lane's sum is
- * multiplied by its sub-block's scale and added up per super-block in integers. */
-#define QKK 256
-
-typedef struct {
-    int8_t q[QKK];      /* x's values */
-    int32_t corr[QKK / 4]; /* -32 * the sums of each 4 values (Q6_K's offset) */
-    int32_t bsum32[8];  /* sums of each 32 values (Q4_K's mins) */
-    float d;
-    int32_t pad[7];
-} xk_t; /* 576 bytes, a multiple of 64 */
-
-static int kquant_bytes(int wtype) { return wtype == LM_Q4_K ? 144 : wtype == LM_Q6_K ? 210 : 0; }
-
-static inline int nearest_int(float f) { /* llama.cpp's: to nearest, ties to even */
-    float v = f + 12582912.f;
-    int i;
-    memcpy(&i, &v, 4);
-    return (i & 0x007fffff) - 0x00400000;
-}
-
-/* One row of x (K values) as Q8_K super-blocks, as quantize_row_q8_K_ref. */
-static void quantize_row_k(const float *x, int nsb, xk_t *out) {
-    for (int s = 0; s < nsb; s++, x += QKK) {
-        xk_t *o = out + s;
-        float max = 0.0f, amax = 0.0f;
-        for (int j = 0; j < QKK; j++) {
-            const float ax = fabsf(x[j]);
-            if (ax > amax) { amax = ax; max = x[j]; }
-        }
-        if (amax == 0.0f) {
-            memset(o, 0, sizeof(*o));
-            continue;
-        }
-        const float iscale = -127.0f / max;
-        for (int j = 0; j < QKK; j++) {
-            const int v = nearest_int(iscale * x[j]);
-            o->q[j] = (int8_t)(v < 127 ? v : 127);
-        }
-        for (int j = 0; j < QKK / 4; j++)
-            o->corr[j] = -32 * (o->q[4 * j] + o->q[4 * j + 1] + o->q[4 * j + 2] + o->q[4 * j + 3]);
-        for (int j = 0; j < 8; j++) {
-            int32_t sum = 0;
-            for (int i = 0; i < 32; i++) sum += o->q[32 * j + i];
-            o->bsum32[j] = sum;
-        }
-        o->d = 1.0f / iscale;
-    }
-}
-
-/* Rows n0..n1 of a Q6_K matrix against mr <= TILE_X rows of x (xs[i]: row i's super-blocks). */
-VNNI512_TARGET static inline __attribute__((always_inline)) void q6k_rows(
-    const uint8_t *w, size_t row_bytes, int n0, int n1, int nsb, const xk_t *const *xs, int mr, float *y,
-    size_t y_stride) {
-    const __m512i m0f = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
-    /* high bits to bits 4-5: lanes 0-31 from bits 0-1 (0 and 2 for the second half) and
-     * lanes 32-63 from bits 2-3 (4 and 6) */
-    const __m512i cnt_a = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
-    const __m512i cnt_b = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
-    __m512i idx[4]; /* chunk c's 16 lanes: sub-blocks 4c .. 4c + 3, four lanes each */
-    for (int c = 0; c < 4; c++)
-        idx[c] = _mm512_setr_epi32(4 * c, 4 * c, 4 * c, 4 * c, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1,
-                                   4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3);
-    for (int n = n0; n < n1; n++) {
-        const uint8_t *row = w + (size_t)n * row_bytes;
-        __m512 acc[TILE_X];
-        for (int i = 0; i < TILE_X; i++) acc[i] = _mm512_setzero_ps();
-        for (int s = 0; s < nsb; s++) {
-            const uint8_t *b = row + (size_t)s * 210;
-            uint16_t dh;
-            memcpy(&dh, b + 208, 2);
-            const float dw = _cvtsh_ss(dh);
-            const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)));
-            __m512i isum[TILE_X];
-            for (int i = 0; i < TILE_X; i++) isum[i] = _mm512_setzero_si512();
-            for (int h = 0; h < 2; h++) {
-                const __m512i ql = _mm512_loadu_si512((const void *)(b + 64 * h));
-                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
-                const __m512i u[2] = {
-                    _mm512_or_si512(_mm512_and_si512(ql, m0f), _mm512_and_si512(_mm512_sllv_epi16(qh, cnt_a), m30)),
-                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m0f),
-                                    _mm512_and_si512(_mm512_srlv_epi16(qh, cnt_b), m30))};
-                for (int k = 0; k < 2; k++) {
-                    const int c = 2 * h + k;
-                    const __m512i scale = _mm512_permutexvar_epi32(idx[c], sc);
-                    for (int i = 0; i < mr; i++) {
-                        const xk_t *x = xs[i] + s;
-                        const __m512i p = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *)(x->corr + 16 * c)), u[k],
-                                                              _mm512_loadu_si512((const void *)(x->q + 64 * c)));
-                        isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(p, scale));
-                    }
-                }
-            }
-            for (int i = 0; i < mr; i++)
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_set1_ps(dw * xs[i][s].d), acc[i]);
-        }
-        for (int i = 0; i < mr; i++) y[(size_t)i * y_stride + n] = _mm512_reduce_add_ps(acc[i]);
-    }
-}
-
-/* Q4_K's 12 bytes of 6-bit scales and mins as 8 scale bytes then 8 min bytes (llama.cpp's). */
-static inline void q4k_scales(const uint8_t *packed, uint32_t out[4]) {
-    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
-    memcpy(out, packed, 12);
-    out[3] = ((out[2] >> 4) & kmask2) | (((out[1] >> 6) & kmask3) << 4);
-    const uint32_t aux = out[1] & kmask1;
-    out[1] = (out[2] & kmask2) | (((out[0] >> 6) & kmask3) << 4);
-    out[2] = aux;
-    out[0] &= kmask1;
-}
-
-VNNI512_TARGET static inline __attribute__((always_inline)) void q4k_rows(
-    const uint8_t *w, size_t row_bytes, int n0, int n1, int nsb, const xk_t *const *xs, int mr, float *y,
-    size_t y_stride) {
-    const __m512i m0f = _mm512_set1_epi8(0x0f);
-    __m512i idx[4]; /* chunk c's lanes 0-7: scale 2c, lanes 8-15: scale 2c + 1 */
-    for (int c = 0; c < 4; c++)
-        idx[c] = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
-    for (int n = n0; n < n1; n++) {
-        const uint8_t *row = w + (size_t)n * row_bytes;
-        __m512 acc[TILE_X];
-        __m256 accm[TILE_X];
-        for (int i = 0; i < TILE_X; i++) {
-            acc[i] = _mm512_setzero_ps();
-            accm[i] = _mm256_setzero_ps();
-        }
-        for (int s = 0; s < nsb; s++) {
-            const uint8_t *b = row + (size_t)s * 144;
-            uint16_t dh, mh;
-            memcpy(&dh, b, 2);
-            memcpy(&mh, b + 2, 2);
-            const float dw = _cvtsh_ss(dh), dmin = _cvtsh_ss(mh);
-            uint32_t sm[4];
-            q4k_scales(b + 4, sm);
-            const __m128i smv = _mm_loadu_si128((const __m128i *)sm);
-            const __m512i sc = _mm512_cvtepu8_epi32(smv);                    /* lanes 0-7 the scales */
-            const __m256i mins = _mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8)); /* the 8 mins */
-            __m512i isum[TILE_X];
-            for (int i = 0; i < TILE_X; i++) isum[i] = _mm512_setzero_si512();
-            for (int c = 0; c < 4; c++) {
-                const __m256i nib = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
-                const __m512i u = _mm512_and_si512(
-                    _mm512_inserti64x4(_mm512_castsi256_si512(nib), _mm256_srli_epi16(nib, 4), 1), m0f);
-                const __m512i scale = _mm512_permutexvar_epi32(idx[c], sc);
-                for (int i = 0; i < mr; i++) {
-                    const xk_t *x = xs[i] + s;
-                    const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u,
-                                                          _mm512_loadu_si512((const void *)(x->q + 64 * c)));
-                    isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(p, scale));
-                }
-            }
-            for (int i = 0; i < mr; i++) {
-                const xk_t *x = xs[i] + s;
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_set1_ps(dw * x->d), acc[i]);
-                const __m256i mb = _mm256_mullo_epi32(mins, _mm256_loadu_si256((const __m256i *)x->bsum32));
-                accm[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mb), _mm256_set1_ps(dmin * x->d), accm[i]);
-            }
-        }
-        for (int i = 0; i < mr; i++) {
-            const __m128 m4 = _mm_add_ps(_mm256_castps256_ps128(accm[i]), _mm256_extractf128_ps(accm[i], 1));
-            __m128 t = _mm_add_ps(m4, _mm_movehl_ps(m4, m4));
-            t = _mm_add_ss(t, _mm_movehdup_ps(t));
-            y[(size_t)i * y_stride + n] = _mm512_reduce_add_ps(acc[i]) - _mm_cvtss_f32(t);
-        }
-    }
-}
-
-/* Rows n0..n1 of a K-quant matrix against all M rows of x, four rows of x at a time. */
-VNNI512_TARGET static void rows_kquant(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nsb,
-                                       const xk_t *xk, int M, float *y, int N) {
-    for (int m0 = 0; m0 < M; m0 += TILE_X) {
-        const int mr = M - m0 < TILE_X ? M - m0 : TILE_X;
-        const xk_t *xs[TILE_X];
-        for (int i = 0; i < TILE_X; i++) xs[i] = xk + (size_t)(m0 + (i < mr ? i : 0)) * nsb;
-        float *yt = y + (size_t)m0 * N;
-        if (wtype == LM_Q6_K) {
-            if (mr == 1) q6k_rows(w, row_bytes, n0, n1, nsb, xs, 1, yt, N);
-            else if (mr == TILE_X) q6k_rows(w, row_bytes, n0, n1, nsb, xs, TILE_X, yt, N);
-            else q6k_rows(w, row_bytes, n0, n1, nsb, xs, mr, yt, N);
-        } else {
-            if (mr == 1) q4k_rows(w, row_bytes, n0, n1, nsb, xs, 1, yt, N);
-            else if (mr == TILE_X) q4k_rows(w, row_bytes, n0, n1, nsb, xs, TILE_X, yt, N);
-            else q4k_rows(w, row_bytes, n0, n1, nsb, xs, mr, yt, N);
-        }
-    }
-}
-
 #endif
 
+/* The portable loop, and the definition the vector loops are held to: per block, 8 integer
+ * lane sums of 4 products each; lane l of block b accumulates into lane (b % 2) * 8 + l with one
+ * fma per block, and the 16 lanes are added in lm_sum16's order. */
 static void rows_scalar(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb,
                         const qblock_t *xq, const float *xd, int M, float *y, int N) {
     const int bb = lm_block_bytes(wtype);
@@ -602,15 +425,17 @@ static void rows_scalar(int wtype, const uint8_t *w, size_t row_bytes, int n0, i
     for (int n = n0; n < n1; n++) {
         const uint8_t *row = w + (size_t)n * row_bytes;
         for (int m = 0; m < M; m++) {
-            float acc = 0.0f;
+            float acc[16] = {0};
             for (int b = 0; b < nb; b++) {
                 const float dw = unpack_block(wtype, row + (size_t)b * bb, q);
                 const size_t xi = (size_t)m * nb + b;
-                int32_t s = 0;
-                for (int j = 0; j < QK; j++) s += (int32_t)q[j] * xq[xi].q[j];
-                acc += (float)s * (dw * xd[xi]);
+                for (int l = 0; l < 8; l++) {
+                    int32_t s = 0;
+                    for (int t = 4 * l; t < 4 * l + 4; t++) s += (int32_t)q[t] * xq[xi].q[t];
+                    acc[(b & 1) * 8 + l] = fmaf((float)s, dw * xd[xi], acc[(b & 1) * 8 + l]);
+                }
             }
-            y[(size_t)m * N + n] = acc;
+            y[(size_t)m * N + n] = lm_sum16(acc);
         }
     }
 }
@@ -658,10 +483,10 @@ static void mm_part(void *p, int part, int parts) {
             return;
         }
         /* no scratch: the untiled loop below needs none */
-        rows_vnni(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N);
+        rows_avx2(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N);
         return;
     }
-    if (J->level == LM_ISA_AVX512VNNI_256) {
+    if (J->level == LM_ISA_AVXVNNI) {
         rows_vnni(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N);
         return;
     }
@@ -673,50 +498,11 @@ static void mm_part(void *p, int part, int parts) {
     rows_scalar(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N);
 }
 
-#ifdef LM_X86
-typedef struct {
-    int wtype;
-    const uint8_t *w;
-    size_t row_bytes;
-    int N, nsb, M;
-    const xk_t *xk;
-    float *y;
-} kmm_job_t;
-
-static void kmm_part(void *p, int part, int parts) {
-    const kmm_job_t *J = (const kmm_job_t *)p;
-    const int runs = (J->N + 7) / 8, per = (runs + parts - 1) / parts;
-    const int n0 = part * per * 8, n1 = (part + 1) * per * 8 < J->N ? (part + 1) * per * 8 : J->N;
-    if (n0 < n1) rows_kquant(J->wtype, J->w, J->row_bytes, n0, n1, J->nsb, J->xk, J->M, J->y, J->N);
-}
-#endif
-
-/* Q4_K and Q6_K: only where the CPU has AVX-512 VNNI (elsewhere the torch runner converts them). */
-static int qmatmul_k(const float *x, int M, int K, const uint8_t *w, int wtype, int N, float *y, int n_threads,
-                     int level) {
-#ifdef LM_X86
-    if (level != LM_ISA_AVX512VNNI || K % QKK != 0) return LM_EINVAL;
-    const int nsb = K / QKK;
-    xk_t *xk = aligned_alloc(64, sizeof(xk_t) * ((size_t)M * nsb + 1));
-    if (xk == NULL) return LM_ENOMEM;
-    for (int m = 0; m < M; m++) quantize_row_k(x + (size_t)m * K, nsb, xk + (size_t)m * nsb);
-    kmm_job_t J = {wtype, w, (size_t)nsb * kquant_bytes(wtype), N, nsb, M, xk, y};
-    int parts = n_threads < 1 ? 1 : n_threads;
-    if ((size_t)N * nsb < 512) parts = 1; /* too small to share out */
-    lm_pool_run(kmm_part, &J, parts);
-    free(xk);
-    return LM_OK;
-#else
-    (void)x, (void)M, (void)K, (void)w, (void)wtype, (void)N, (void)y, (void)n_threads, (void)level;
-    return LM_EINVAL;
-#endif
-}
-
 int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N, float *y, int n_threads,
                int force_scalar) {
     if (M < 0 || N < 0) return LM_EINVAL;
-    if (wtype == LM_Q4_K || wtype == LM_Q6_K)
-        return qmatmul_k(x, M, K, w, wtype, N, y, n_threads, force_scalar ? LM_ISA_SCALAR : lm_isa());
+    if (lm_kquant_bytes(wtype) != 0) /* kquant.c */
+        return lm_qmatmul_k(x, M, K, w, wtype, N, y, n_threads, force_scalar ? LM_ISA_SCALAR : lm_isa());
     const int bb = lm_block_bytes(wtype);
     if (bb == 0 || K % QK != 0 || M < 0 || N < 0) return LM_EINVAL;
     const int level = force_scalar ? LM_ISA_SCALAR : lm_isa();

@@ -52,12 +52,12 @@ def _native_report() -> dict:
     in place here (imports torch: only here)."""
     from localllm.runners.torch import native
 
-    return {"usable": native.available(), "why_not": native.why_unavailable(), "wide": native.wide_kernels(),
-            "isa": native.isa(), "isa_detected": native.isa_detected()}
+    return {"usable": native.available(), "why_not": native.why_unavailable(),
+            "k_quants": native.k_quants_in_place(), "isa": native.isa(), "isa_detected": native.isa_detected()}
 
 
-NATIVE_WIDE = "built; Q4_0, Q5_0, Q8_0, Q4_K, Q6_K read in place (AVX-512 VNNI)"
-NATIVE_NARROW = "built; Q4_0, Q5_0, Q8_0 read in place (Q4_K, Q6_K converted: AVX-512 VNNI is not in use)"
+NATIVE_ALL = "built; Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K read in place"
+NATIVE_NO_K = "built; Q4_0, Q5_0, Q8_0 read in place (Q4_K, Q5_K, Q6_K converted: the scalar tier has no vector loops)"
 
 
 def _tier(use: dict) -> str:
@@ -308,7 +308,7 @@ def render(report: dict) -> str:
     elif not use["usable"]:
         native = f"not used: {use['why_not']}; rebuild them with `pip install -e .`"
     else:
-        native = (NATIVE_WIDE if use["wide"] else NATIVE_NARROW) + f"; tier {_tier(use)}"
+        native = (NATIVE_ALL if use["k_quants"] else NATIVE_NO_K) + f"; tier {_tier(use)}"
     lines.append(f"  torch runner's native kernels: {native}")
 
     llama = report["llama_cpp"]

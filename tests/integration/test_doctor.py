@@ -78,13 +78,13 @@ def test_text_report_without_models(tmp_path):
     assert "  torch: not installed" in lines or any(line.startswith("  torch: ") for line in lines)
     import importlib.util
 
-    from localllm.commands.doctor import NATIVE_NARROW, NATIVE_WIDE, _tier
+    from localllm.commands.doctor import NATIVE_ALL, NATIVE_NO_K, _tier
 
     built = importlib.util.find_spec("localllm._native") is not None
     if built and importlib.util.find_spec("torch") is not None:
         from localllm.runners.torch import native
 
-        want = NATIVE_WIDE if native.wide_kernels() else NATIVE_NARROW
+        want = NATIVE_ALL if native.k_quants_in_place() else NATIVE_NO_K
         tier = _tier({"isa": native.isa(), "isa_detected": native.isa_detected()})
         assert f"  torch runner's native kernels: {want}; tier {tier}" in lines
     else:

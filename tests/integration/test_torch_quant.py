@@ -122,9 +122,10 @@ def test_gguf_blocks_scheme_keeps_the_files_blocks_and_reads_them_back(qwen_path
     assert (first_cached, second_cached) == (False, True)
     assert kinds == kinds2 == {"q": "BlockLinear", "gate": "BlockLinear", "down": kinds["down"],
                                "q kind": kinds["q kind"]}
-    if native.wide_kernels():  # AVX-512 VNNI: Q4_K / Q6_K read in place too, Q5_0 in pairs
+    # AVX2 and up: Q4_K / Q6_K read in place too; AVX-512 VNNI: Q5_0 in pairs
+    assert kinds["q kind"] == ("Q5_0P" if native.wide_kernels() else "Q5_0")
+    if native.k_quants_in_place():
         assert kinds["down"] == "BlockLinear"
-        assert kinds["q kind"] == "Q5_0P"
-    else:  # Q4_K / Q6_K: the default scheme's layers
+    else:  # the scalar tier: Q4_K / Q6_K as the default scheme's layers
         assert kinds["down"] in ("Int4Linear", "Int8Linear")
     assert (logits == logits2).all()

@@ -1,7 +1,7 @@
 """The native kernels' instruction-set switch (native/isa.c, LOCALLLM_NATIVE_ISA): every tier
 this CPU has runs when forced, and computes what the portable C loops compute: the block
-matmul to within float32 summation order, attention bit-identically whatever the drafts beside
-a position. A tier the CPU lacks, or a name that is no tier, is refused with the fix. Each tier
+matmul of every format bit for bit (integer block sums, the float part in one order), attention
+bit-identically whatever the drafts beside a position. A tier the CPU lacks, or a name that is no tier, is refused with the fix. Each tier
 runs in a process of its own: the switch is the process's, read when the kernels load."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from localllm.errors import UsageError  # noqa: E402
 from localllm.runners.torch import native  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="localllm._native was not built here")
-ORDER = ["scalar", "avx2", "avx512vnni"]
+ORDER = ["scalar", "avx2", "avxvnni", "avx512vnni"]
 
 # Run in the forced process: the tier in use, and what its kernels compute on fixed inputs.
 PROBE = r"""
@@ -27,13 +27,22 @@ import json, numpy as np, torch, gguf
 from localllm.runners.torch import native
 from localllm.runners.torch.attention import AttnBatch, KVPool, block_slots, paged_attention
 rng = np.random.default_rng(0)
-out = {"isa": native.isa(), "detected": native.isa_detected(), "wide": native.wide_kernels(), "mm": {}}
-x = torch.from_numpy(rng.standard_normal((5, 256)).astype(np.float32))
-for kind in ("Q4_0", "Q5_0", "Q8_0"):
-    w = rng.standard_normal((72, 256)).astype(np.float32)
-    blocks = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind]))
-    got, scalar = native.qmatmul(x, blocks, kind), native.qmatmul(x, blocks, kind, force_scalar=True)
-    out["mm"][kind] = float((got - scalar).abs().max() / scalar.abs().max())
+out = {"isa": native.isa(), "detected": native.isa_detected(), "wide": native.wide_kernels(),
+       "k_quants": native.k_quants_in_place(), "mm": {}, "y": {}}
+x = torch.from_numpy(rng.standard_normal((5, 768)).astype(np.float32))
+for kind in ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
+    if kind.endswith("_K"):  # random bytes with small finite scales reach every weight, scale and min
+        raw = rng.integers(0, 256, (72, 3, native.SUPER_BYTES[kind]), dtype=np.uint8)
+        for at in ([208] if kind == "Q6_K" else [0, 2]):
+            raw[:, :, at:at + 2] = (rng.random((72, 3, 1)) * 0.01 + 1e-3).astype(np.float16).view(np.uint8)
+        blocks = torch.from_numpy(raw.reshape(72, -1).copy())
+    else:
+        w = rng.standard_normal((72, 736)).astype(np.float32)  # 23 blocks: an odd last one
+        blocks = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind]))
+    xk = x[:, :768 if kind.endswith("_K") else 736].contiguous()
+    got, scalar = native.qmatmul(xk, blocks, kind), native.qmatmul(xk, blocks, kind, force_scalar=True)
+    out["mm"][kind] = float((got - scalar).abs().max())
+    out["y"][kind] = got.flatten().tolist()
 g = torch.Generator().manual_seed(1)
 pool = KVPool(1, num_blocks=8, block_size=16, n_kv_heads=2, head_dim=64, dtype=torch.float16)
 table = list(range(8))[::-1]
@@ -54,8 +63,7 @@ def run_forced(tier: str) -> subprocess.CompletedProcess:
 
 
 def tiers_here() -> list[str]:
-    best = native.isa_detected()
-    return ORDER[:ORDER.index(best) + 1] if best in ORDER else ORDER[:2]
+    return native.isa_tiers()
 
 
 def test_every_tier_the_cpu_has_runs_when_forced_and_computes_what_the_portable_loops_do():
@@ -66,11 +74,11 @@ def test_every_tier_the_cpu_has_runs_when_forced_and_computes_what_the_portable_
         report = reports[tier] = json.loads(proc.stdout)
         assert (report["isa"], report["detected"]) == (tier, native.isa_detected())
         assert report["wide"] == (tier == "avx512vnni")
-        # Integer block sums are exact; only the float32 sum over blocks may round in another order.
-        assert all(err < 1e-5 for err in report["mm"].values()), (tier, report["mm"])
+        assert report["k_quants"] == (tier != "scalar")
+        # The same bits as the portable loop, in the same process and across processes.
+        assert report["mm"] == dict.fromkeys(["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"], 0.0), tier
+        assert report["y"] == reports["scalar"]["y"], tier
         assert report["attn_same_among_drafts"], tier
-        if tier == "scalar":
-            assert report["mm"] == {"Q4_0": 0.0, "Q5_0": 0.0, "Q8_0": 0.0}  # the very same loop
     first = reports["scalar"]["attn"]
     for tier, report in reports.items():
         torch.testing.assert_close(torch.tensor(report["attn"]), torch.tensor(first), atol=1e-5, rtol=1e-5)
@@ -84,7 +92,7 @@ def test_a_tier_the_cpu_lacks_or_no_tier_is_refused_with_the_fix():
         with pytest.raises(UsageError, match=f"LOCALLLM_NATIVE_ISA={lacking}: this CPU lacks that tier "
                                              f"\\(its best is {native.isa_detected()}\\); force a lower one"):
             native._force_isa(lib, lacking)
-    with pytest.raises(UsageError, match="names no tier of the native kernels; use one of scalar, avx2, avx512vnni"):
+    with pytest.raises(UsageError, match="names no tier of the native kernels; use one of scalar, avx2, avxvnni, avx512vnni"):
         native._force_isa(lib, "avx3000")
     native._force_isa(lib, "")  # unset: the CPU's best
     assert native.isa() == before

@@ -225,7 +225,7 @@ def load_linear(weights: GGUFWeights, name: str, act_dtype: torch.dtype, device,
     and the shape fits torch's CUDA kernel; float weights in ``act_dtype`` otherwise (when
     computing in float32, on Apple's MPS). int8_types: the stored types kept as int8 rows
     (quant.SCHEMES; the default scheme's when None). blocks: Q4_0 / Q5_0 / Q8_0 tensors, and
-    where the CPU has AVX-512 VNNI Q4_K / Q6_K ones, stay in their GGUF blocks for the native
+    where the CPU has AVX2 Q4_K / Q5_K / Q6_K ones, stay in their GGUF blocks for the native
     kernel (the "gguf-blocks" scheme; CPU only)."""
     from localllm.runners.torch import native, quant
 
@@ -234,7 +234,7 @@ def load_linear(weights: GGUFWeights, name: str, act_dtype: torch.dtype, device,
     dev = torch.device(device)
     b = weights.get(f"{name}.bias").to(device) if bias else None
     if blocks and dev.type == "cpu" and (kind in native.BLOCK_TYPES or (
-            kind in native.K_TYPES and native.wide_kernels() and weights.shape(f"{name}.weight")[1] % 256 == 0)):
+            kind in native.K_TYPES and native.k_quants_in_place() and weights.shape(f"{name}.weight")[1] % 256 == 0)):
         data, _, _ = weights.raw(f"{name}.weight")
         return quant.BlockLinear(torch.from_numpy(np.array(data)), kind, bias=b)
     dense = ((act_dtype == torch.float32 and not blocks) or kind in quant.FLOAT_TYPES

@@ -17,25 +17,26 @@ import torch
 
 from localllm.errors import UsageError
 
-ABI_VERSION = 6  # native/localllm_native.h's LM_ABI_VERSION
+ABI_VERSION = 7  # native/localllm_native.h's LM_ABI_VERSION
 # What a KV pool holds, as native/attention.c numbers it (LM_KV_*): int8 is q8_0, with scales.
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
 REBUILD = "rebuild localllm's native kernels with `pip install -e .` (a C compiler is needed)"
 # GGUF block formats the native matmul reads in place (GGML's type numbers).
 BLOCK_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8}
 BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q4_0P": 18, "Q5_0P": 22}
-# K-quant super-blocks (256 weights) the matmul reads in place where ``wide_kernels()``.
-K_TYPES = {"Q4_K": 12, "Q6_K": 14}
-SUPER_BYTES = {"Q4_K": 144, "Q6_K": 210}
+# K-quant super-blocks (256 weights) the matmul reads in place (native/kquant.c) where
+# ``k_quants_in_place()``.
+K_TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 # Layouts of our own the matmul also reads: "Q4_0P" / "Q5_0P" are Q4_0 / Q5_0 with each pair of blocks
 # rearranged for AVX-512 (native/qmatmul.c; ``repack`` makes it where ``wide_kernels()``).
 PACKED_TYPES = {"Q4_0P": 102, "Q5_0P": 106}
 PACKED_FROM = {"Q4_0": "Q4_0P", "Q5_0": "Q5_0P"}
 _ERRORS = {1: "invalid arguments", 2: "out of memory"}
-# Instruction-set tiers, as native/isa.c numbers them (LM_ISA_*; 2, AVX-512 VNNI without AVX-512 F,
-# runs the VNNI loops on 256-bit vectors and is never forced).
-ISA_TIERS = {"scalar": 0, "avx2": 1, "avx512vnni": 3}
-_ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512vnni-256", 3: "avx512vnni"}
+# Instruction-set tiers, lowest first, as native/isa.c numbers them (LM_ISA_*): AVX-VNNI is AVX2 with
+# the 256-bit VEX vpdpbusd of Intel's laptop chips (a CPU with AVX-512 VNNI may lack it).
+ISA_TIERS = {"scalar": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3}
+_ISA_NAMES = {v: k for k, v in ISA_TIERS.items()}
 # The switch that forces a lower tier, as torch's kernels follow ATEN_CPU_CAPABILITY: a fast
 # machine then runs, tests and times what a slower one runs (docs/testing.md). It is a switch of
 # the process, like torch's, read once when the library loads.
@@ -82,7 +83,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, bool]:
     lib.lm_dequantize.argtypes = [vp, ci, ci, ci, vp]
     lib.lm_repack.restype = ci
     lib.lm_repack.argtypes = [vp, ci, ci, ci, vp, ci]
-    for name in ("lm_isa", "lm_isa_detected"):
+    for name in ("lm_isa", "lm_isa_detected", "lm_isa_tiers"):
         getattr(lib, name).restype = ci
         getattr(lib, name).argtypes = []
     lib.lm_set_isa.restype = ci
@@ -225,10 +226,16 @@ def qmatmul(x: torch.Tensor, blocks: torch.Tensor, kind: str, n_threads: int | N
 
 
 def wide_kernels() -> bool:
-    """Whether the matmul's AVX-512 VNNI loops run here, which alone read "Q5_0P" and the
-    K-quants (K_TYPES)."""
+    """Whether the matmul's AVX-512 VNNI loops run here, which alone read "Q4_0P" / "Q5_0P"."""
     lib = library()
     return lib is not None and lib.lm_isa() == ISA_TIERS["avx512vnni"]
+
+
+def k_quants_in_place() -> bool:
+    """Whether the matmul's vector loops for K-quant super-blocks (K_TYPES) run here: AVX2 and up.
+    The scalar tier computes them too (the same bits), but slower than torch's int4 / int8."""
+    lib = library()
+    return lib is not None and lib.lm_isa() >= ISA_TIERS["avx2"]
 
 
 def isa() -> str | None:
@@ -236,6 +243,12 @@ def isa() -> str | None:
     any LOCALLLM_NATIVE_ISA; None without the kernels."""
     lib = library()
     return None if lib is None else _ISA_NAMES[lib.lm_isa()]
+
+
+def isa_tiers() -> list[str]:
+    """Every tier this CPU has, lowest first (what LOCALLLM_NATIVE_ISA may force); [] without the kernels."""
+    lib = library()
+    return [] if lib is None else [name for name, t in ISA_TIERS.items() if lib.lm_isa_tiers() >> t & 1]
 
 
 def isa_detected() -> str | None:

@@ -151,8 +151,8 @@ class Int8Linear:
 
 
 class BlockLinear:
-    """y = x W^T (+ b) with W kept in its GGUF blocks (Q4_0, Q5_0 or Q8_0; Q4_K or Q6_K where the
-    CPU has AVX-512 VNNI) and multiplied by the native kernel (native/qmatmul.c): x quantized
+    """y = x W^T (+ b) with W kept in its GGUF blocks (Q4_0, Q5_0 or Q8_0; Q4_K, Q5_K or Q6_K where
+    the CPU has AVX2) and multiplied by the native kernel (native/qmatmul.c): x quantized
     to 8-bit blocks (Q8_K super-blocks for the K-quants), integer sums per block, as llama.cpp
     computes it. Takes and returns float32.
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("localllm.weight_cache")
-FORMAT = 2  # 2: gguf-blocks keeps Q4_K / Q6_K as blocks where the native kernels read them
+FORMAT = 3  # 2: gguf-blocks keeps Q4_K / Q6_K as blocks where the native kernels read them; 3: Q5_K too
 
 
 class WeightCache:

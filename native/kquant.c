@@ -1,0 +1,454 @@
+/* y = x W^T with W in K-quant super-blocks (Q4_K, Q5_K, Q6_K: 256 weights each), read in
+ * place, against x quantized as llama.cpp's Q8_K: per 256 values one float scale d = max /
+ * -127 (max: the value of largest magnitude), values round(x / d) capped at 127.
+ *   Q4_K (144 bytes): d, dmin, scales[12] (8 scales and 8 mins of 6 bits, one per 32
+ *     weights), qs[128] nibbles. Weight = d * scale * q - dmin * min, q in 0..15.
+ *   Q5_K (176 bytes): Q4_K's d, dmin and scales, qh[32] (bit p of byte l: weight 32p + l's
+ *     fifth bit), qs[128]. q in 0..31.
+ *   Q6_K (210 bytes): ql[128] low 4 bits, qh[64] high 2 bits, scales[16] int8 (one per 16
+ *     weights), d. Weight = d * scale * (q - 32), q in 0..63.
+ *
+ * One result on every tier, bit for bit. A super-block's 256 products are summed in 16
+ * integer lanes: lane (p % 2) * 8 + l holds, over the four pieces p of that parity, the
+ * sub-block scale times the sum of the 4 products 32p + 4l .. 32p + 4l + 3 (Q6_K: of q - 32).
+ * Integer sums are exact, so every tier has the same 16 integers. The float part is one fixed
+ * order: lane i accumulates fma(lane sum, d_w * d_x, acc_i) super-block by super-block, and
+ * the 16 lanes are added as lm_sum16 adds them (Q4_K and Q5_K: less the 8 mins times x's sums
+ * per 32, accumulated and added alike). The AVX-512 VNNI loops hold the 16 lanes in one
+ * vector, the AVX2 ones in two (the even and the odd pieces), the scalar one in an array.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "localllm_native.h"
+
+#define QKK 256
+
+typedef struct {
+    int8_t q[QKK];         /* x's values */
+    int32_t corr[QKK / 4]; /* -32 * the sums of each 4 values (Q6_K's offset, for VNNI) */
+    int16_t q32[QKK / 2];  /* 32 * the sums of each 2 values (Q6_K's offset, for AVX2's maddubs) */
+    int32_t bsum32[8];     /* sums of each 32 values (the mins of Q4_K and Q5_K) */
+    float d;
+    int32_t pad[7];
+} xk_t; /* 832 bytes, a multiple of 64 */
+
+int lm_kquant_bytes(int wtype) {
+    switch (wtype) {
+    case LM_Q4_K: return 144;
+    case LM_Q5_K: return 176;
+    case LM_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static inline int nearest_int(float f) { /* llama.cpp's: to nearest, ties to even */
+    float v = f + 12582912.f;
+    int i;
+    memcpy(&i, &v, 4);
+    return (i & 0x007fffff) - 0x00400000;
+}
+
+/* One row of x (K values) as Q8_K super-blocks, as quantize_row_q8_K_ref. */
+static void quantize_row_k(const float *x, int nsb, xk_t *out) {
+    for (int s = 0; s < nsb; s++, x += QKK) {
+        xk_t *o = out + s;
+        float max = 0.0f, amax = 0.0f;
+        for (int j = 0; j < QKK; j++) {
+            const float ax = fabsf(x[j]);
+            if (ax > amax) { amax = ax; max = x[j]; }
+        }
+        if (amax == 0.0f) {
+            memset(o, 0, sizeof(*o));
+            continue;
+        }
+        const float iscale = -127.0f / max;
+        for (int j = 0; j < QKK; j++) {
+            const int v = nearest_int(iscale * x[j]);
+            o->q[j] = (int8_t)(v < 127 ? v : 127);
+        }
+        for (int j = 0; j < QKK / 4; j++)
+            o->corr[j] = -32 * (o->q[4 * j] + o->q[4 * j + 1] + o->q[4 * j + 2] + o->q[4 * j + 3]);
+        for (int j = 0; j < QKK / 2; j++) o->q32[j] = (int16_t)(32 * (o->q[2 * j] + o->q[2 * j + 1]));
+        for (int j = 0; j < 8; j++) {
+            int32_t sum = 0;
+            for (int i = 0; i < 32; i++) sum += o->q[32 * j + i];
+            o->bsum32[j] = sum;
+        }
+        o->d = 1.0f / iscale;
+    }
+}
+
+/* Q4_K's and Q5_K's 12 bytes of 6-bit scales and mins as 8 scale bytes then 8 min bytes. */
+static inline void k4_scales(const uint8_t *packed, uint32_t out[4]) {
+    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    memcpy(out, packed, 12);
+    out[3] = ((out[2] >> 4) & kmask2) | (((out[1] >> 6) & kmask3) << 4);
+    const uint32_t aux = out[1] & kmask1;
+    out[1] = (out[2] & kmask2) | (((out[0] >> 6) & kmask3) << 4);
+    out[2] = aux;
+    out[0] &= kmask1;
+}
+
+static inline float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return lm_half_to_float(h);
+}
+
+/* ---- the portable loop: the definition the vector loops are held to --------------------- */
+
+/* A super-block's 256 values q (Q6_K: q - 32), the scale of each 16 weights, and the 8 mins. */
+static void unpack_super(int wtype, const uint8_t *b, int8_t q[QKK], int32_t sc16[16], int32_t mins[8]) {
+    if (wtype == LM_Q6_K) {
+        const uint8_t *ql = b, *qh = b + 128;
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < 32; l++) {
+                const uint8_t hb = qh[32 * h + l], lo = ql[64 * h + l], hi = ql[64 * h + 32 + l];
+                q[128 * h + l] = (int8_t)(((lo & 0x0f) | ((hb & 3) << 4)) - 32);
+                q[128 * h + 32 + l] = (int8_t)(((hi & 0x0f) | (((hb >> 2) & 3) << 4)) - 32);
+                q[128 * h + 64 + l] = (int8_t)(((lo >> 4) | (((hb >> 4) & 3) << 4)) - 32);
+                q[128 * h + 96 + l] = (int8_t)(((hi >> 4) | (((hb >> 6) & 3) << 4)) - 32);
+            }
+        for (int j = 0; j < 16; j++) sc16[j] = (int8_t)b[192 + j];
+        for (int j = 0; j < 8; j++) mins[j] = 0;
+        return;
+    }
+    uint32_t sm[4];
+    k4_scales(b + 4, sm);
+    const uint8_t *s8 = (const uint8_t *)sm, *qh = b + 16, *qs = b + (wtype == LM_Q5_K ? 48 : 16);
+    for (int p = 0; p < 8; p++) {
+        sc16[2 * p] = sc16[2 * p + 1] = s8[p];
+        mins[p] = s8[8 + p];
+        for (int l = 0; l < 32; l++) {
+            const uint8_t byte = qs[32 * (p / 2) + l];
+            int v = p % 2 ? byte >> 4 : byte & 0x0f;
+            if (wtype == LM_Q5_K) v |= ((qh[l] >> p) & 1) << 4;
+            q[32 * p + l] = (int8_t)v;
+        }
+    }
+}
+
+static void rows_scalar(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nsb, const xk_t *xk,
+                        int M, float *y, int N) {
+    const int sb = lm_kquant_bytes(wtype);
+    int8_t q[QKK];
+    int32_t sc16[16], mins[8];
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *row = w + (size_t)n * row_bytes;
+        for (int m = 0; m < M; m++) {
+            float acc[16] = {0}, accm[8] = {0};
+            for (int s = 0; s < nsb; s++) {
+                const uint8_t *b = row + (size_t)s * sb;
+                const xk_t *x = xk + (size_t)m * nsb + s;
+                unpack_super(wtype, b, q, sc16, mins);
+                int32_t lane[16] = {0};
+                for (int p = 0; p < 8; p++)
+                    for (int l = 0; l < 8; l++) {
+                        const int j = 32 * p + 4 * l;
+                        int32_t dot = 0;
+                        for (int t = 0; t < 4; t++) dot += (int32_t)q[j + t] * x->q[j + t];
+                        lane[(p % 2) * 8 + l] += dot * sc16[j / 16];
+                    }
+                const float dw = f16_at(wtype == LM_Q6_K ? b + 208 : b);
+                for (int i = 0; i < 16; i++) acc[i] = fmaf((float)lane[i], dw * x->d, acc[i]);
+                if (wtype != LM_Q6_K) {
+                    const float dmin = f16_at(b + 2);
+                    for (int i = 0; i < 8; i++) accm[i] = fmaf((float)(mins[i] * x->bsum32[i]), dmin * x->d, accm[i]);
+                }
+            }
+            y[(size_t)m * N + n] = lm_sum16(acc) - lm_sum8(accm);
+        }
+    }
+}
+
+/* ---- x86-64 ---------------------------------------------------------------------------- */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define LM_X86 1
+#define TILE_X 4 /* rows of x at a time */
+
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+AVX2_TARGET static inline float sum8_avx2(__m256 v) { /* lm_sum8's order */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Piece p (weights 32p .. 32p + 31) of a super-block as 32 unsigned bytes (Q6_K: q, not
+ * q - 32), and its scales as 16-bit lanes (two per 16 weights, for madd). */
+AVX2_TARGET static inline __m256i piece_avx2(int wtype, const uint8_t *b, int p) {
+    const __m256i m0f = _mm256_set1_epi8(0x0f);
+    if (wtype == LM_Q6_K) {
+        const int h = p / 4, k = p % 4;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (k & 1)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+        const __m256i lo = _mm256_and_si256(k < 2 ? ql : _mm256_srli_epi16(ql, 4), m0f);
+        /* bits 2k, 2k + 1 of qh to bits 4-5 */
+        __m256i hi;
+        switch (k) {
+        case 0: hi = _mm256_slli_epi16(qh, 4); break;
+        case 1: hi = _mm256_slli_epi16(qh, 2); break;
+        case 2: hi = qh; break;
+        default: hi = _mm256_srli_epi16(qh, 2);
+        }
+        return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+    }
+    const uint8_t *qs = b + (wtype == LM_Q5_K ? 48 : 16) + 32 * (p / 2);
+    const __m256i nib = _mm256_loadu_si256((const __m256i *)qs);
+    __m256i u = _mm256_and_si256(p % 2 ? _mm256_srli_epi16(nib, 4) : nib, m0f);
+    if (wtype == LM_Q5_K) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+        const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(p)), _mm256_set1_epi8(1));
+        u = _mm256_or_si256(u, _mm256_slli_epi16(bit, 4));
+    }
+    return u;
+}
+
+AVX2_TARGET static inline __m256i piece_scales(int wtype, const uint8_t *b, const uint8_t *s8, int p) {
+    if (wtype == LM_Q6_K) /* 16-bit lanes 0-7: the scale of weights 32p..32p+15, 8-15: of the next 16 */
+        return _mm256_set_m128i(_mm_set1_epi16((int8_t)b[192 + 2 * p + 1]), _mm_set1_epi16((int8_t)b[192 + 2 * p]));
+    return _mm256_set1_epi16(s8[p]);
+}
+
+/* Row n of W against mr <= TILE_X rows of x (xs[i]: row i's super-blocks), each piece unpacked
+ * once for the mr rows. (Unpacking runs of rows once into scratch for all the rows of x was
+ * tried: within 10 % either way from 8 to 128 rows.) maddubs' 16-bit pair sums cannot overflow (q <= 63, |x| <= 127; Q6_K's 32 * x's pair sums are
+ * x's own, made once per row of x), and madd by the scales gives each lane's scale times its
+ * 4 products. */
+AVX2_TARGET static inline __attribute__((always_inline)) void kq_row_avx2(
+    int wtype, const uint8_t *row, int nsb, const xk_t *const *xs, int mr, float *y, size_t y_stride, int n) {
+    const int sb = lm_kquant_bytes(wtype), six = wtype == LM_Q6_K;
+    __m256 acc[2][TILE_X], accm[TILE_X];
+    for (int i = 0; i < TILE_X; i++) acc[0][i] = acc[1][i] = accm[i] = _mm256_setzero_ps();
+    for (int s = 0; s < nsb; s++) {
+        const uint8_t *b = row + (size_t)s * sb;
+        uint32_t sm[4] = {0};
+        if (!six) k4_scales(b + 4, sm);
+        const uint8_t *s8 = (const uint8_t *)sm;
+        const float dw = f16_at(six ? b + 208 : b);
+        for (int par = 0; par < 2; par++) {
+            __m256i isum[TILE_X];
+            for (int i = 0; i < TILE_X; i++) isum[i] = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const int p = 2 * c + par;
+                const __m256i u = piece_avx2(wtype, b, p), scale = piece_scales(wtype, b, s8, p);
+                for (int i = 0; i < mr; i++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xs[i][s].q + 32 * p));
+                    __m256i p16 = _mm256_maddubs_epi16(u, xv);
+                    if (six) p16 = _mm256_sub_epi16(p16, _mm256_loadu_si256((const __m256i *)(xs[i][s].q32 + 16 * p)));
+                    isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(p16, scale));
+                }
+            }
+            for (int i = 0; i < mr; i++)
+                acc[par][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(dw * xs[i][s].d), acc[par][i]);
+        }
+        if (!six) {
+            const float dmin = f16_at(b + 2);
+            const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(s8 + 8)));
+            for (int i = 0; i < mr; i++) {
+                const __m256i mb = _mm256_mullo_epi32(mins, _mm256_loadu_si256((const __m256i *)xs[i][s].bsum32));
+                accm[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mb), _mm256_set1_ps(dmin * xs[i][s].d), accm[i]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) /* lm_sum16: lane i with lane i + 8 first */
+        y[(size_t)i * y_stride + n] = sum8_avx2(_mm256_add_ps(acc[0][i], acc[1][i])) - sum8_avx2(accm[i]);
+}
+
+/* Constant tile sizes for the common cases, so the accumulators stay in registers. */
+#define BY_TILE(CALL_1, CALL_4, CALL_MR) \
+    do {                                 \
+        if (mr == 1) CALL_1;             \
+        else if (mr == TILE_X) CALL_4;   \
+        else CALL_MR;                    \
+    } while (0)
+
+#define KQ_ROW(T, MR) kq_row_avx2(T, row, nsb, xs, MR, y, N, n)
+
+AVX2_TARGET static void row_avx2(int wtype, const uint8_t *row, int n, int nsb, const xk_t *const *xs, int mr,
+                                 float *y, int N) {
+    switch (wtype) {
+    case LM_Q4_K: BY_TILE(KQ_ROW(LM_Q4_K, 1), KQ_ROW(LM_Q4_K, 4), KQ_ROW(LM_Q4_K, mr)); break;
+    case LM_Q5_K: BY_TILE(KQ_ROW(LM_Q5_K, 1), KQ_ROW(LM_Q5_K, 4), KQ_ROW(LM_Q5_K, mr)); break;
+    default: BY_TILE(KQ_ROW(LM_Q6_K, 1), KQ_ROW(LM_Q6_K, 4), KQ_ROW(LM_Q6_K, mr));
+    }
+}
+
+/* Rows n0..n1 of W against all M rows of x, TILE_X at a time. */
+AVX2_TARGET static void rows_avx2(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nsb,
+                                  const xk_t *xk, int M, float *y, int N) {
+    for (int m0 = 0; m0 < M; m0 += TILE_X) {
+        const int mr = M - m0 < TILE_X ? M - m0 : TILE_X;
+        const xk_t *xs[TILE_X];
+        for (int i = 0; i < TILE_X; i++) xs[i] = xk + (size_t)(m0 + (i < mr ? i : 0)) * nsb;
+        for (int n = n0; n < n1; n++) row_avx2(wtype, w + (size_t)n * row_bytes, n, nsb, xs, mr, y + (size_t)m0 * N, N);
+    }
+}
+
+/* ---- AVX-512 VNNI: Q4_K and Q6_K with the 16 lanes in one vector ------------------------ */
+#define VNNI512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
+
+VNNI512_TARGET static inline float sum16_512(__m512 v) { /* lm_sum16's order */
+    return sum8_avx2(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+}
+
+VNNI512_TARGET static inline __attribute__((always_inline)) void q6k_rows_512(
+    const uint8_t *w, size_t row_bytes, int n0, int n1, int nsb, const xk_t *const *xs, int mr, float *y,
+    size_t y_stride) {
+    const __m512i m0f = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    /* high bits to bits 4-5: lanes 0-31 from bits 0-1 (0 and 2 for the second half) and
+     * lanes 32-63 from bits 2-3 (4 and 6) */
+    const __m512i cnt_a = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i cnt_b = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    __m512i idx[4]; /* chunk c's 16 lanes: sub-blocks 4c .. 4c + 3, four lanes each */
+    for (int c = 0; c < 4; c++)
+        idx[c] = _mm512_setr_epi32(4 * c, 4 * c, 4 * c, 4 * c, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1,
+                                   4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3);
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *row = w + (size_t)n * row_bytes;
+        __m512 acc[TILE_X];
+        for (int i = 0; i < TILE_X; i++) acc[i] = _mm512_setzero_ps();
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *b = row + (size_t)s * 210;
+            const float dw = f16_at(b + 208);
+            const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)));
+            __m512i isum[TILE_X];
+            for (int i = 0; i < TILE_X; i++) isum[i] = _mm512_setzero_si512();
+            for (int h = 0; h < 2; h++) {
+                const __m512i ql = _mm512_loadu_si512((const void *)(b + 64 * h));
+                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+                const __m512i u[2] = {
+                    _mm512_or_si512(_mm512_and_si512(ql, m0f), _mm512_and_si512(_mm512_sllv_epi16(qh, cnt_a), m30)),
+                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m0f),
+                                    _mm512_and_si512(_mm512_srlv_epi16(qh, cnt_b), m30))};
+                for (int k = 0; k < 2; k++) {
+                    const int c = 2 * h + k;
+                    const __m512i scale = _mm512_permutexvar_epi32(idx[c], sc);
+                    for (int i = 0; i < mr; i++) {
+                        const xk_t *x = xs[i] + s;
+                        const __m512i p = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *)(x->corr + 16 * c)), u[k],
+                                                              _mm512_loadu_si512((const void *)(x->q + 64 * c)));
+                        isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(p, scale));
+                    }
+                }
+            }
+            for (int i = 0; i < mr; i++)
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_set1_ps(dw * xs[i][s].d), acc[i]);
+        }
+        for (int i = 0; i < mr; i++) y[(size_t)i * y_stride + n] = sum16_512(acc[i]);
+    }
+}
+
+VNNI512_TARGET static inline __attribute__((always_inline)) void q4k_rows_512(
+    const uint8_t *w, size_t row_bytes, int n0, int n1, int nsb, const xk_t *const *xs, int mr, float *y,
+    size_t y_stride) {
+    const __m512i m0f = _mm512_set1_epi8(0x0f);
+    __m512i idx[4]; /* chunk c's lanes 0-7: scale 2c, lanes 8-15: scale 2c + 1 */
+    for (int c = 0; c < 4; c++)
+        idx[c] = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *row = w + (size_t)n * row_bytes;
+        __m512 acc[TILE_X];
+        __m256 accm[TILE_X];
+        for (int i = 0; i < TILE_X; i++) {
+            acc[i] = _mm512_setzero_ps();
+            accm[i] = _mm256_setzero_ps();
+        }
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *b = row + (size_t)s * 144;
+            const float dw = f16_at(b), dmin = f16_at(b + 2);
+            uint32_t sm[4];
+            k4_scales(b + 4, sm);
+            const __m128i smv = _mm_loadu_si128((const __m128i *)sm);
+            const __m512i sc = _mm512_cvtepu8_epi32(smv);                    /* lanes 0-7 the scales */
+            const __m256i mins = _mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8)); /* the 8 mins */
+            __m512i isum[TILE_X];
+            for (int i = 0; i < TILE_X; i++) isum[i] = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                const __m256i nib = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+                const __m512i u = _mm512_and_si512(
+                    _mm512_inserti64x4(_mm512_castsi256_si512(nib), _mm256_srli_epi16(nib, 4), 1), m0f);
+                const __m512i scale = _mm512_permutexvar_epi32(idx[c], sc);
+                for (int i = 0; i < mr; i++) {
+                    const xk_t *x = xs[i] + s;
+                    const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u,
+                                                          _mm512_loadu_si512((const void *)(x->q + 64 * c)));
+                    isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(p, scale));
+                }
+            }
+            for (int i = 0; i < mr; i++) {
+                const xk_t *x = xs[i] + s;
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_set1_ps(dw * x->d), acc[i]);
+                const __m256i mb = _mm256_mullo_epi32(mins, _mm256_loadu_si256((const __m256i *)x->bsum32));
+                accm[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mb), _mm256_set1_ps(dmin * x->d), accm[i]);
+            }
+        }
+        for (int i = 0; i < mr; i++) y[(size_t)i * y_stride + n] = sum16_512(acc[i]) - sum8_avx2(accm[i]);
+    }
+}
+
+VNNI512_TARGET static void tile_512(int wtype, const uint8_t *w, size_t rb, int n0, int n1, int nsb,
+                                    const xk_t *const *xs, int mr, float *y, int N) {
+    if (wtype == LM_Q6_K)
+        BY_TILE(q6k_rows_512(w, rb, n0, n1, nsb, xs, 1, y, N), q6k_rows_512(w, rb, n0, n1, nsb, xs, 4, y, N),
+                q6k_rows_512(w, rb, n0, n1, nsb, xs, mr, y, N));
+    else
+        BY_TILE(q4k_rows_512(w, rb, n0, n1, nsb, xs, 1, y, N), q4k_rows_512(w, rb, n0, n1, nsb, xs, 4, y, N),
+                q4k_rows_512(w, rb, n0, n1, nsb, xs, mr, y, N));
+}
+#endif
+
+typedef struct {
+    int level, wtype;
+    const uint8_t *w;
+    size_t row_bytes;
+    int N, nsb, M;
+    const xk_t *xk;
+    float *y;
+} kmm_job_t;
+
+/* Rows of W in runs of 8, dealt out in order; against all M rows of x, TILE_X at a time. */
+static void kmm_part(void *p, int part, int parts) {
+    const kmm_job_t *J = (const kmm_job_t *)p;
+    const int runs = (J->N + 7) / 8, per = (runs + parts - 1) / parts;
+    const int n0 = part * per * 8, n1 = (part + 1) * per * 8 < J->N ? (part + 1) * per * 8 : J->N;
+    if (n0 >= n1) return;
+#ifdef LM_X86
+    if (J->level == LM_ISA_AVX512VNNI && J->wtype != LM_Q5_K) {
+        for (int m0 = 0; m0 < J->M; m0 += TILE_X) {
+            const int mr = J->M - m0 < TILE_X ? J->M - m0 : TILE_X;
+            const xk_t *xs[TILE_X];
+            for (int i = 0; i < TILE_X; i++) xs[i] = J->xk + (size_t)(m0 + (i < mr ? i : 0)) * J->nsb;
+            tile_512(J->wtype, J->w, J->row_bytes, n0, n1, J->nsb, xs, mr, J->y + (size_t)m0 * J->N, J->N);
+        }
+        return;
+    }
+    if (J->level >= LM_ISA_AVX2) { /* AVX-VNNI too: VNNI's dot would still need the scales' multiply */
+        rows_avx2(J->wtype, J->w, J->row_bytes, n0, n1, J->nsb, J->xk, J->M, J->y, J->N);
+        return;
+    }
+#endif
+    rows_scalar(J->wtype, J->w, J->row_bytes, n0, n1, J->nsb, J->xk, J->M, J->y, J->N);
+}
+
+int lm_qmatmul_k(const float *x, int M, int K, const uint8_t *w, int wtype, int N, float *y, int n_threads,
+                 int level) {
+    const int sb = lm_kquant_bytes(wtype);
+    if (sb == 0 || K % QKK != 0 || M < 0 || N < 0) return LM_EINVAL;
+    const int nsb = K / QKK;
+    xk_t *xk = aligned_alloc(64, sizeof(xk_t) * ((size_t)M * nsb + 1));
+    if (xk == NULL) return LM_ENOMEM;
+    for (int m = 0; m < M; m++) quantize_row_k(x + (size_t)m * K, nsb, xk + (size_t)m * nsb);
+    kmm_job_t J = {level, wtype, w, (size_t)nsb * sb, N, nsb, M, xk, y};
+    int parts = n_threads < 1 ? 1 : n_threads;
+    if ((size_t)N * nsb < 512) parts = 1; /* too small to share out */
+    lm_pool_run(kmm_part, &J, parts);
+    free(xk);
+    return LM_OK;
+}
