@@ -48,6 +48,9 @@ class Vocab(Protocol):
     # token_to_piece gives b""); see Tokenizer.piece.
     # def special_piece(self, token_id: int) -> bytes: ...
 
+    # For grammars (engine/constraint.py): special_piece above, and the control tokens' ids.
+    # def control_ids(self) -> list[int]: ...
+
 
 # A span of rendered chat text and whether it came from a message's content (never parsed
 # for control tokens) rather than from the template (parsed).

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import llguidance as lg
@@ -140,12 +141,17 @@ def _reason(error: str) -> str:
 
 class Grammars:
     """A model's vocabulary as llguidance reads it, and constraints over it. Thread-safe:
-    doors check grammars on their own threads while the engine steps."""
+    doors check grammars on their own threads while the engine steps. The latest grammars
+    compiled are kept (``KEEP``), each new constraint a copy: a door's check and the engine's
+    constraint compile a grammar once, and an agent's tool schemas, the same every turn, once."""
+
+    KEEP = 32
 
     def __init__(self, vocab: Vocab) -> None:
         self._vocab = vocab
         self._tokenizer: lg.LLTokenizer | None = None
         self._lock = threading.Lock()
+        self._compiled: OrderedDict[str, lg.LLMatcher] = OrderedDict()  # grammar -> its matcher, untouched
 
     @property
     def tokenizer(self) -> lg.LLTokenizer:
@@ -161,14 +167,27 @@ class Grammars:
 
     def constraint(self, grammar: str) -> Constraint:
         """A fresh constraint for one sequence; UsageError as ``check``."""
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self._compiled.move_to_end(grammar)
+        if compiled is None:
+            compiled = self._compile(grammar)
+            with self._lock:
+                self._compiled[grammar] = compiled
+                while len(self._compiled) > self.KEEP:
+                    self._compiled.popitem(last=False)
+        return Constraint(compiled.deep_copy(), self._vocab.n_vocab)
+
+    def _compile(self, grammar: str) -> lg.LLMatcher:
         matcher = lg.LLMatcher(self.tokenizer, from_text(grammar), log_level=0, limits=_LIMITS)
         if matcher.is_error():
             raise UsageError(f"the grammar cannot be used: {_reason(matcher.get_error())}")
-        constraint = Constraint(matcher, self._vocab.n_vocab)
-        constraint.fill(constraint.new_masks(1)[0])
-        if constraint.error is not None:
-            raise UsageError(f"the grammar allows no answer at all ({constraint.error}); loosen it")
-        return constraint
+        first = Constraint(matcher.deep_copy(), self._vocab.n_vocab)
+        first.fill(first.new_masks(1)[0])
+        if first.error is not None:
+            raise UsageError(f"the grammar allows no answer at all ({first.error}); loosen it")
+        return matcher
 
 
 def _lltokenizer(vocab: Vocab) -> lg.LLTokenizer:

@@ -192,3 +192,20 @@ def test_a_format_json_schema_does_not_define_is_an_annotation_and_one_it_define
 def test_a_grammar_with_no_answer_at_all_is_refused(grammars, grammar):
     with pytest.raises(UsageError, match="the grammar allows no answer at all"):
         grammars.check(grammar)
+
+
+def test_a_grammar_compiles_once_and_each_constraint_is_its_own_copy():
+    grammars = C.Grammars(ByteVocab())
+    grammar = C.regex_grammar("ab|ac")
+    first, second = grammars.constraint(grammar), grammars.constraint(grammar)
+    assert len(grammars._compiled) == 1
+    first.accept(ord("a"))
+    first.accept(ord("b"))
+    assert allowed(first) == {EOS, IM_END}
+    assert allowed(second) == {ord("a")}  # untouched by the first's tokens
+    for i in range(C.Grammars.KEEP + 1):
+        grammars.check(C.regex_grammar(f"x{i}"))
+    assert len(grammars._compiled) == C.Grammars.KEEP and grammar not in grammars._compiled
+    with pytest.raises(UsageError):  # a refused grammar is not kept
+        grammars.check(C.regex_grammar("("))
+    assert C.regex_grammar("(") not in grammars._compiled
