@@ -24,7 +24,7 @@ def machine() -> str:
                 cpu = line.split(":", 1)[1].strip()
             elif line.startswith("flags"):
                 have = set(line.split(":", 1)[1].split())
-                flags = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16") if f in have]
+                flags = [f for f in ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16") if f in have]
                 break
     except OSError:
         pass
