@@ -107,57 +107,101 @@ AVX2_TARGET static inline float hsum(__m256 v) { /* lm_sum8's order */
     return _mm_cvtss_f32(s);
 }
 
-/* A row of W at a time against 4 rows of x, its blocks unpacked once for the 4. Block b's 8
- * lane sums go to the accumulator of its parity (the lanes (b % 2) * 8 .. + 7 of lm_sum16's
- * order), as the AVX-512 loops hold a pair of blocks in one vector: the same bits on every tier.
- * (Unpacking a run of rows once into scratch for all the rows of x was tried: within 10 % either
- * way from 8 to 128 rows, the products cost more than the unpacking.) */
-#define ROWS_KERNEL(NAME, TARGET, DOT)                                                                  \
+/* The AVX2 and AVX-VNNI loops: a row of W at a time against up to 4 rows of x, its blocks
+ * unpacked once for the 4. Block b's 8 lane sums go to the accumulator of its parity (the lanes
+ * (b % 2) * 8 .. + 7 of lm_sum16's order), as the AVX-512 loops hold a pair of blocks in one
+ * vector: the same bits on every tier. Each block's scale d_w * d_x is made in every lane by a
+ * vector multiply of d_w by x's scale broadcast from memory (a load, not a shuffle). (Unpacking
+ * a run of rows once into scratch for all the rows of x was tried: within 10 % either way from
+ * 8 to 128 rows, the products cost more than the unpacking.)
+ *
+ * AVX2: the sign trick, |w| times x with w's signs (maddubs: unsigned by signed bytes), then
+ * madd to 4-product sums. AVX-VNNI: the weights unsigned, u = w + offset (Q4_0: the nibble, 8;
+ * Q5_0: 16; Q8_0: w ^ 0x80, 128), and one vpdpbusd from a start value of -offset times x's
+ * sums per 4 (made once per row of x): the same integers, two instructions fewer a block and
+ * row of x. */
+#define ROWS_LOOP(NAME, TARGET, UNPACK, DOT)                                                            \
+    TARGET static inline __attribute__((always_inline)) void NAME##_block(                             \
+        int wtype, const uint8_t *blk, int b, int nb, const qblock_t *xq, const float *xd, const __m256i *xc, \
+        int mc, __m256 *acc) {                                                                          \
+        uint16_t dh;                                                                                    \
+        memcpy(&dh, blk, 2);                                                                            \
+        const __m256 dw = _mm256_set1_ps(_cvtsh_ss(dh));                                                \
+        __m256i q, aq;                                                                                  \
+        UNPACK(wtype, blk, q, aq);                                                                      \
+        (void)aq; /* (the unsigned loop reads q alone) */                                               \
+        for (int i = 0; i < mc; i++) {                                                                  \
+            const size_t xi = (size_t)i * nb + b;                                                       \
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)xq[xi].q);                           \
+            const __m256i s32 = DOT(q, aq, xv, xc, xi);                                                 \
+            const __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd + xi));                       \
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), scale, acc[i]);                           \
+        }                                                                                               \
+    }                                                                                                   \
+                                                                                                        \
     TARGET static inline __attribute__((always_inline)) void NAME##_row(                               \
-        int wtype, const uint8_t *row, int nb, const qblock_t *xq, const float *xd, int mc, float *y, int N, int n) { \
+        int wtype, const uint8_t *row, int nb, const qblock_t *xq, const float *xd, const __m256i *xc, \
+        int mc, float *y, int N, int n) {                                                               \
         const int bb = lm_block_bytes(wtype);                                                           \
         __m256 acc[2][4];                                                                               \
         for (int i = 0; i < 4; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();                        \
-        for (int b = 0; b < nb; b++) {                                                                  \
-            const uint8_t *blk = row + (size_t)b * bb;                                                  \
-            uint16_t dh;                                                                                \
-            memcpy(&dh, blk, 2);                                                                        \
-            const float dw = _cvtsh_ss(dh);                                                             \
-            const __m256i q = unpack_avx2(wtype, blk);                                                  \
-            const __m256i aq = _mm256_sign_epi8(q, q);                                                  \
-            for (int i = 0; i < mc; i++) {                                                              \
-                const size_t xi = (size_t)i * nb + b;                                                   \
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)xq[xi].q);                       \
-                const __m256i s32 = DOT(aq, _mm256_sign_epi8(xv, q));                                   \
-                acc[b & 1][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_set1_ps(dw * xd[xi]), acc[b & 1][i]); \
-            }                                                                                           \
+        /* two blocks a turn, so each parity's accumulators are named, not indexed (registers) */   \
+        for (int b = 0; b < nb; b += 2) {                                                               \
+            NAME##_block(wtype, row + (size_t)b * bb, b, nb, xq, xd, xc, mc, acc[0]);                  \
+            if (b + 1 < nb) NAME##_block(wtype, row + (size_t)(b + 1) * bb, b + 1, nb, xq, xd, xc, mc, acc[1]); \
         }                                                                                               \
         for (int i = 0; i < mc; i++) y[(size_t)i * N + n] = hsum(_mm256_add_ps(acc[0][i], acc[1][i]));  \
     }                                                                                                   \
                                                                                                         \
     TARGET static void NAME(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb,     \
-                            const qblock_t *xq, const float *xd, int M, float *y, int N) {              \
-        for (int n = n0; n < n1; n++)                                                                   \
-            for (int m0 = 0; m0 < M; m0 += 4) {                                                         \
+                            const qblock_t *xq, const float *xd, const __m256i *xc, int M, float *y, int N) { \
+        /* W in runs of ROWS_RUN rows, each run against the rows of x 4 at a time: a run's rows and     \
+         * 4 rows of x stay in the first-level cache while they meet. */                               \
+        for (int r0 = n0; r0 < n1; r0 += ROWS_RUN)                                                      \
+            for (int m0 = 0; m0 < M; m0 += 4)                                                           \
+                for (int n = r0; n < n1 && n < r0 + ROWS_RUN; n++) {                                    \
                 const int mc = M - m0 < 4 ? M - m0 : 4;                                                 \
                 const uint8_t *row = w + (size_t)n * row_bytes;                                         \
                 const qblock_t *xs = xq + (size_t)m0 * nb;                                              \
                 const float *ds = xd + (size_t)m0 * nb;                                                 \
-                if (mc == 1) NAME##_row(wtype, row, nb, xs, ds, 1, y + (size_t)m0 * N, N, n);           \
-                else if (mc == 4) NAME##_row(wtype, row, nb, xs, ds, 4, y + (size_t)m0 * N, N, n);      \
-                else NAME##_row(wtype, row, nb, xs, ds, mc, y + (size_t)m0 * N, N, n);                  \
+                const __m256i *cs = xc != NULL ? xc + (size_t)m0 * nb : NULL;                           \
+                float *yt = y + (size_t)m0 * N;                                                         \
+                if (mc == 1) NAME##_row(wtype, row, nb, xs, ds, cs, 1, yt, N, n);                       \
+                else if (mc == 4) NAME##_row(wtype, row, nb, xs, ds, cs, 4, yt, N, n);                  \
+                else NAME##_row(wtype, row, nb, xs, ds, cs, mc, yt, N, n);                              \
             }                                                                                           \
     }
 
-AVX2_TARGET static inline __m256i dot_avx2(__m256i u, __m256i s) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-VNNI_TARGET static inline __m256i dot_vnni(__m256i u, __m256i s) {
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#define ROWS_RUN 16
+
+/* AVX2: q = w, aq = |w| */
+#define UNPACK_SIGNED(wtype, blk, q, aq) (q = unpack_avx2(wtype, blk), aq = _mm256_sign_epi8(q, q))
+#define DOT_SIGNED(q, aq, xv, xc, xi) \
+    _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(xv, q)), _mm256_set1_epi16(1))
+/* AVX-VNNI: q = u = w + offset (aq unused), xc[xi] = -offset * x's sums per 4 */
+#define UNPACK_UNSIGNED(wtype, blk, q, aq) (q = unpack_unsigned(wtype, blk), aq = q)
+#define DOT_UNSIGNED(q, aq, xv, xc, xi) _mm256_dpbusd_avx_epi32(_mm256_load_si256(xc + (xi)), q, xv)
+
+static inline int unsigned_offset(int wtype) { return wtype == LM_Q8_0 ? 128 : wtype == LM_Q4_0 ? 8 : 16; }
+
+VNNI_TARGET static inline __m256i unpack_unsigned(int wtype, const uint8_t *b) {
+    if (wtype == LM_Q8_0) return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
+    if (wtype == LM_Q4_0) return bytes_from_nibbles(b + 2);
+    return _mm256_or_si256(bytes_from_nibbles(b + 6), _mm256_and_si256(bytes_from_bits(b + 2), _mm256_set1_epi8(0x10)));
 }
 
-ROWS_KERNEL(rows_avx2, AVX2_TARGET, dot_avx2)
-ROWS_KERNEL(rows_vnni, VNNI_TARGET, dot_vnni)
+/* -offset times each 4 values' sum, for every block of the M rows of x (AVX-VNNI's start values). */
+VNNI_TARGET static void unsigned_corrections(int wtype, const qblock_t *xq, size_t blocks, __m256i *out) {
+    const __m256i off = _mm256_set1_epi8((char)unsigned_offset(wtype));
+    for (size_t i = 0; i < blocks; i++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)xq[i].q);
+        const __m256i sums = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), off, x); /* offset <= 128 fits u8 */
+        out[i] = _mm256_sub_epi32(_mm256_setzero_si256(), sums);
+    }
+}
+
+ROWS_LOOP(rows_avx2, AVX2_TARGET, UNPACK_SIGNED, DOT_SIGNED)
+ROWS_LOOP(rows_vnni, VNNI_TARGET, UNPACK_UNSIGNED, DOT_UNSIGNED)
 
 /* AVX-512 VNNI, in tiles of up to 4 weight rows by 4 rows of x: a tile's weight blocks are
  * unpacked once for its 4 rows of x, and each x block is loaded once for its 4 weight rows.
@@ -460,7 +504,8 @@ typedef struct {
     int N, nb, M;
     const qblock_t *xq;
     const float *xd;
-    const void *xp; /* pairs (Q4_0P, Q5_0P) with M <= TILE_X: the prepared rows of x (xpair_t) */
+    const void *xp; /* the rows of x prepared: pairs (Q4_0P, Q5_0P) with M <= TILE_X (xpair_t), or
+                       AVX-VNNI's start values (__m256i per block) */
     float *y;
     volatile int failed; /* a part could not have its scratch */
 } mm_job_t;
@@ -483,15 +528,15 @@ static void mm_part(void *p, int part, int parts) {
             return;
         }
         /* no scratch: the untiled loop below needs none */
-        rows_avx2(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N);
+        rows_avx2(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, NULL, J->M, J->y, J->N);
         return;
     }
     if (J->level == LM_ISA_AVXVNNI) {
-        rows_vnni(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N);
+        rows_vnni(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, (const __m256i *)J->xp, J->M, J->y, J->N);
         return;
     }
     if (J->level == LM_ISA_AVX2) {
-        rows_avx2(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N);
+        rows_avx2(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, NULL, J->M, J->y, J->N);
         return;
     }
 #endif
@@ -515,8 +560,9 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
     void *xp = NULL;
     int xp_needed = 0;
 #ifdef LM_X86
-    xp_needed = in_pairs && M <= TILE_X;
-    if (xp_needed) xp = aligned_alloc(64, sizeof(xpair_t) * ((size_t)M * nb / 2 + 1));
+    xp_needed = (in_pairs && M <= TILE_X) || level == LM_ISA_AVXVNNI;
+    if (in_pairs && M <= TILE_X) xp = aligned_alloc(64, sizeof(xpair_t) * ((size_t)M * nb / 2 + 1));
+    else if (level == LM_ISA_AVXVNNI) xp = aligned_alloc(32, sizeof(__m256i) * ((size_t)M * nb + 1));
 #endif
     if (xq == NULL || xd == NULL || (xp_needed && xp == NULL)) {
         free(xq);
@@ -526,7 +572,8 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
     }
     for (int m = 0; m < M; m++) quantize_row(x + (size_t)m * K, nb, xq + (size_t)m * nb, xd + (size_t)m * nb);
 #ifdef LM_X86
-    if (xp != NULL) pairs_prepare(wtype, xq, xd, M, nb, (xpair_t *)xp);
+    if (level == LM_ISA_AVXVNNI) unsigned_corrections(wtype, xq, (size_t)M * nb, (__m256i *)xp);
+    else if (xp != NULL) pairs_prepare(wtype, xq, xd, M, nb, (xpair_t *)xp);
 #endif
     mm_job_t J = {level, wtype, w, (size_t)nb * bb, N, nb, M, xq, xd, xp, y, 0};
     int parts = n_threads < 1 ? 1 : n_threads;
