@@ -182,7 +182,9 @@ AVX2_TARGET static inline float hsum(__m256 v) { /* lm_sum8's order */
 #define UNPACK_UNSIGNED(wtype, blk, q, aq) (q = unpack_unsigned(wtype, blk), aq = q)
 #define DOT_UNSIGNED(q, aq, xv, xc, xi) _mm256_dpbusd_avx_epi32(_mm256_load_si256(xc + (xi)), q, xv)
 
-static inline int unsigned_offset(int wtype) { return wtype == LM_Q8_0 ? 128 : wtype == LM_Q4_0 ? 8 : 16; }
+static inline int unsigned_offset(int wtype) {
+    return wtype == LM_Q8_0 ? 128 : wtype == LM_Q4_0 || wtype == LM_Q4_0P ? 8 : 16;
+}
 
 VNNI_TARGET static inline __m256i unpack_unsigned(int wtype, const uint8_t *b) {
     if (wtype == LM_Q8_0) return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
@@ -190,18 +192,86 @@ VNNI_TARGET static inline __m256i unpack_unsigned(int wtype, const uint8_t *b) {
     return _mm256_or_si256(bytes_from_nibbles(b + 6), _mm256_and_si256(bytes_from_bits(b + 2), _mm256_set1_epi8(0x10)));
 }
 
-/* -offset times each 4 values' sum, for every block of the M rows of x (AVX-VNNI's start values). */
-VNNI_TARGET static void unsigned_corrections(int wtype, const qblock_t *xq, size_t blocks, __m256i *out) {
-    const __m256i off = _mm256_set1_epi8((char)unsigned_offset(wtype));
+/* -offset times each 4 values' sum, for every block of the M rows of x: the start values of the
+ * unsigned products (maddubs' pair sums are at most 128 * 254, within 16 bits). */
+AVX2_TARGET static void unsigned_corrections(int offset, const qblock_t *xq, size_t blocks, __m256i *out) {
+    const __m256i off = _mm256_set1_epi8((char)offset);
     for (size_t i = 0; i < blocks; i++) {
         const __m256i x = _mm256_loadu_si256((const __m256i *)xq[i].q);
-        const __m256i sums = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), off, x); /* offset <= 128 fits u8 */
+        const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(off, x), _mm256_set1_epi16(1));
         out[i] = _mm256_sub_epi32(_mm256_setzero_si256(), sums);
     }
 }
 
 ROWS_LOOP(rows_avx2, AVX2_TARGET, UNPACK_SIGNED, DOT_SIGNED)
 ROWS_LOOP(rows_vnni, VNNI_TARGET, UNPACK_UNSIGNED, DOT_UNSIGNED)
+
+/* Q4_0 / Q5_0 in pairs of blocks (LM_Q4_0P / LM_Q5_0P, laid out below for AVX-512) on AVX2 and
+ * AVX-VNNI: a pair's 32 bytes of nibbles unpack into both blocks' unsigned values in four
+ * instructions (each block alone takes four), Q5_0's high bits as bytes_from_bits gives them,
+ * and the products are the unsigned ones from -offset times x's sums, each block into its
+ * parity's accumulator: the same bits as the file's blocks. */
+AVX2_TARGET static inline void pair_unsigned_avx2(int wtype, const uint8_t *pair, __m256i *u0, __m256i *u1) {
+    const int five = wtype == LM_Q5_0P;
+    const __m256i nib = _mm256_loadu_si256((const __m256i *)(pair + 4 + (five ? 8 : 0))), m = _mm256_set1_epi8(0x0f);
+    *u0 = _mm256_and_si256(nib, m);
+    *u1 = _mm256_and_si256(_mm256_srli_epi16(nib, 4), m);
+    if (five) { /* 64 high bits after the scales: block 0's 32, then block 1's */
+        const __m256i h = _mm256_set1_epi8(0x10);
+        *u0 = _mm256_or_si256(*u0, _mm256_and_si256(bytes_from_bits(pair + 4), h));
+        *u1 = _mm256_or_si256(*u1, _mm256_and_si256(bytes_from_bits(pair + 8), h));
+    }
+}
+
+#define DOTU_AVX2(u, xv, c) _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), _mm256_set1_epi16(1)), c)
+#define DOTU_VNNI(u, xv, c) _mm256_dpbusd_avx_epi32(c, u, xv)
+
+#define PAIRS_LOOP(NAME, TARGET, DOTU)                                                                  \
+    TARGET static inline __attribute__((always_inline)) void NAME##_row(                               \
+        int wtype, const uint8_t *row, int nb, const qblock_t *xq, const float *xd, const __m256i *xc, \
+        int mc, float *y, int N, int n) {                                                               \
+        const int pb = wtype == LM_Q5_0P ? 44 : 36;                                                     \
+        __m256 acc0[4], acc1[4];                                                                        \
+        for (int i = 0; i < 4; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();                            \
+        for (int b = 0; b < nb; b += 2) {                                                               \
+            const uint8_t *pair = row + (size_t)(b / 2) * pb;                                           \
+            uint16_t h[2];                                                                              \
+            memcpy(h, pair, 4);                                                                         \
+            const __m256 d0 = _mm256_set1_ps(_cvtsh_ss(h[0])), d1 = _mm256_set1_ps(_cvtsh_ss(h[1]));    \
+            __m256i u0, u1;                                                                             \
+            pair_unsigned_avx2(wtype, pair, &u0, &u1);                                                  \
+            for (int i = 0; i < mc; i++) {                                                              \
+                const size_t xi = (size_t)i * nb + b;                                                   \
+                const __m256i s0 = DOTU(u0, _mm256_loadu_si256((const __m256i *)xq[xi].q), _mm256_load_si256(xc + xi)); \
+                const __m256i s1 = DOTU(u1, _mm256_loadu_si256((const __m256i *)xq[xi + 1].q),          \
+                                        _mm256_load_si256(xc + xi + 1));                                \
+                acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d0, _mm256_broadcast_ss(xd + xi)), acc0[i]); \
+                acc1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, _mm256_broadcast_ss(xd + xi + 1)), \
+                                          acc1[i]);                                                     \
+            }                                                                                           \
+        }                                                                                               \
+        for (int i = 0; i < mc; i++) y[(size_t)i * N + n] = hsum(_mm256_add_ps(acc0[i], acc1[i]));      \
+    }                                                                                                   \
+                                                                                                        \
+    TARGET static void NAME(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb,     \
+                            const qblock_t *xq, const float *xd, const __m256i *xc, int M, float *y, int N) { \
+        for (int r0 = n0; r0 < n1; r0 += ROWS_RUN)                                                      \
+            for (int m0 = 0; m0 < M; m0 += 4)                                                           \
+                for (int n = r0; n < n1 && n < r0 + ROWS_RUN; n++) {                                    \
+                    const int mc = M - m0 < 4 ? M - m0 : 4;                                             \
+                    const uint8_t *row = w + (size_t)n * row_bytes;                                     \
+                    const qblock_t *xs = xq + (size_t)m0 * nb;                                          \
+                    const float *ds = xd + (size_t)m0 * nb;                                             \
+                    const __m256i *cs = xc + (size_t)m0 * nb;                                           \
+                    float *yt = y + (size_t)m0 * N;                                                     \
+                    if (mc == 1) NAME##_row(wtype, row, nb, xs, ds, cs, 1, yt, N, n);                   \
+                    else if (mc == 4) NAME##_row(wtype, row, nb, xs, ds, cs, 4, yt, N, n);              \
+                    else NAME##_row(wtype, row, nb, xs, ds, cs, mc, yt, N, n);                          \
+                }                                                                                       \
+    }
+
+PAIRS_LOOP(pairs_avx2, AVX2_TARGET, DOTU_AVX2)
+PAIRS_LOOP(pairs_vnni, VNNI_TARGET, DOTU_VNNI)
 
 /* AVX-512 VNNI, in tiles of up to 4 weight rows by 4 rows of x: a tile's weight blocks are
  * unpacked once for its 4 rows of x, and each x block is loaded once for its 4 weight rows.
@@ -531,6 +601,11 @@ static void mm_part(void *p, int part, int parts) {
         rows_avx2(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, NULL, J->M, J->y, J->N);
         return;
     }
+    if (J->wtype == LM_Q5_0P || J->wtype == LM_Q4_0P) {
+        if (J->level == LM_ISA_AVXVNNI) pairs_vnni(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, (const __m256i *)J->xp, J->M, J->y, J->N);
+        else pairs_avx2(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, (const __m256i *)J->xp, J->M, J->y, J->N);
+        return;
+    }
     if (J->level == LM_ISA_AVXVNNI) {
         rows_vnni(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, (const __m256i *)J->xp, J->M, J->y, J->N);
         return;
@@ -551,18 +626,21 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
     const int bb = lm_block_bytes(wtype);
     if (bb == 0 || K % QK != 0 || M < 0 || N < 0) return LM_EINVAL;
     const int level = force_scalar ? LM_ISA_SCALAR : lm_isa();
-    /* pairs of blocks, read by the AVX-512 VNNI loops alone (lm_repack makes them there) */
+    /* pairs of blocks, read by the vector loops (lm_repack makes them), not the portable one */
     const int in_pairs = wtype == LM_Q5_0P || wtype == LM_Q4_0P;
-    if (in_pairs && (level != LM_ISA_AVX512VNNI || K % (2 * QK) != 0)) return LM_EINVAL;
+    if (in_pairs && (level < LM_ISA_AVX2 || K % (2 * QK) != 0)) return LM_EINVAL;
     const int nb = K / QK;
     qblock_t *xq = malloc(sizeof(qblock_t) * (size_t)M * nb + 1);
     float *xd = malloc(sizeof(float) * (size_t)M * nb + 1);
     void *xp = NULL;
-    int xp_needed = 0;
+    int xp_needed = 0, xc_needed = 0;
+    (void)xc_needed;
 #ifdef LM_X86
-    xp_needed = (in_pairs && M <= TILE_X) || level == LM_ISA_AVXVNNI;
-    if (in_pairs && M <= TILE_X) xp = aligned_alloc(64, sizeof(xpair_t) * ((size_t)M * nb / 2 + 1));
-    else if (level == LM_ISA_AVXVNNI) xp = aligned_alloc(32, sizeof(__m256i) * ((size_t)M * nb + 1));
+    /* AVX-VNNI, and pairs on AVX2: the unsigned products' start values */
+    xc_needed = level == LM_ISA_AVXVNNI || (in_pairs && level == LM_ISA_AVX2);
+    xp_needed = (in_pairs && M <= TILE_X && level == LM_ISA_AVX512VNNI) || xc_needed;
+    if (xc_needed) xp = aligned_alloc(32, sizeof(__m256i) * ((size_t)M * nb + 1));
+    else if (xp_needed) xp = aligned_alloc(64, sizeof(xpair_t) * ((size_t)M * nb / 2 + 1));
 #endif
     if (xq == NULL || xd == NULL || (xp_needed && xp == NULL)) {
         free(xq);
@@ -572,7 +650,7 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
     }
     for (int m = 0; m < M; m++) quantize_row(x + (size_t)m * K, nb, xq + (size_t)m * nb, xd + (size_t)m * nb);
 #ifdef LM_X86
-    if (level == LM_ISA_AVXVNNI) unsigned_corrections(wtype, xq, (size_t)M * nb, (__m256i *)xp);
+    if (xc_needed) unsigned_corrections(unsigned_offset(wtype), xq, (size_t)M * nb, (__m256i *)xp);
     else if (xp != NULL) pairs_prepare(wtype, xq, xd, M, nb, (xpair_t *)xp);
 #endif
     mm_job_t J = {level, wtype, w, (size_t)nb * bb, N, nb, M, xq, xd, xp, y, 0};

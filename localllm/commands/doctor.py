@@ -53,7 +53,7 @@ def _native_report() -> dict:
     from localllm.runners.torch import native
 
     return {"usable": native.available(), "why_not": native.why_unavailable(),
-            "k_quants": native.k_quants_in_place(), "isa": native.isa(), "isa_detected": native.isa_detected()}
+            "k_quants": native.vector_loops(), "isa": native.isa(), "isa_detected": native.isa_detected()}
 
 
 NATIVE_ALL = "built; Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K read in place"

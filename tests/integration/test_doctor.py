@@ -84,7 +84,7 @@ def test_text_report_without_models(tmp_path):
     if built and importlib.util.find_spec("torch") is not None:
         from localllm.runners.torch import native
 
-        want = NATIVE_ALL if native.k_quants_in_place() else NATIVE_NO_K
+        want = NATIVE_ALL if native.vector_loops() else NATIVE_NO_K
         tier = _tier({"isa": native.isa(), "isa_detected": native.isa_detected()})
         assert f"  torch runner's native kernels: {want}; tier {tier}" in lines
     else:

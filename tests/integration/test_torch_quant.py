@@ -122,9 +122,9 @@ def test_gguf_blocks_scheme_keeps_the_files_blocks_and_reads_them_back(qwen_path
     assert (first_cached, second_cached) == (False, True)
     assert kinds == kinds2 == {"q": "BlockLinear", "gate": "BlockLinear", "down": kinds["down"],
                                "q kind": kinds["q kind"]}
-    # AVX2 and up: Q4_K / Q6_K read in place too; AVX-512 VNNI: Q5_0 in pairs
-    assert kinds["q kind"] == ("Q5_0P" if native.wide_kernels() else "Q5_0")
-    if native.k_quants_in_place():
+    # AVX2 and up: Q4_K / Q6_K read in place too, Q5_0 in pairs
+    assert kinds["q kind"] == ("Q5_0P" if native.vector_loops() else "Q5_0")
+    if native.vector_loops():
         assert kinds["down"] == "BlockLinear"
     else:  # the scalar tier: Q4_K / Q6_K as the default scheme's layers
         assert kinds["down"] in ("Int4Linear", "Int8Linear")

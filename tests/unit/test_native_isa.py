@@ -28,7 +28,7 @@ from localllm.runners.torch import native
 from localllm.runners.torch.attention import AttnBatch, KVPool, block_slots, paged_attention
 rng = np.random.default_rng(0)
 out = {"isa": native.isa(), "detected": native.isa_detected(), "wide": native.wide_kernels(),
-       "k_quants": native.k_quants_in_place(), "mm": {}, "y": {}}
+       "k_quants": native.vector_loops(), "mm": {}, "y": {}}
 x = torch.from_numpy(rng.standard_normal((5, 768)).astype(np.float32))
 for kind in ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
     if kind.endswith("_K"):  # random bytes with small finite scales reach every weight, scale and min
@@ -43,6 +43,10 @@ for kind in ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
     got, scalar = native.qmatmul(xk, blocks, kind), native.qmatmul(xk, blocks, kind, force_scalar=True)
     out["mm"][kind] = float((got - scalar).abs().max())
     out["y"][kind] = got.flatten().tolist()
+    if kind in native.PACKED_FROM and native.vector_loops():  # pairs (an even count): the file's blocks' bits
+        even, xe = blocks[:, :22 * native.BLOCK_BYTES[kind]].contiguous(), xk[:, :704].contiguous()
+        pairs = native.qmatmul(xe, native.repack(even, kind), kind + "P")
+        out["mm"][kind + "P"] = float((pairs - native.qmatmul(xe, even, kind, force_scalar=True)).abs().max())
 g = torch.Generator().manual_seed(1)
 pool = KVPool(1, num_blocks=8, block_size=16, n_kv_heads=2, head_dim=64, dtype=torch.float16)
 table = list(range(8))[::-1]
@@ -76,7 +80,8 @@ def test_every_tier_the_cpu_has_runs_when_forced_and_computes_what_the_portable_
         assert report["wide"] == (tier == "avx512vnni")
         assert report["k_quants"] == (tier != "scalar")
         # The same bits as the portable loop, in the same process and across processes.
-        assert report["mm"] == dict.fromkeys(["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"], 0.0), tier
+        kinds = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"] + (["Q4_0P", "Q5_0P"] if tier != "scalar" else [])
+        assert report["mm"] == dict.fromkeys(kinds, 0.0), tier
         assert report["y"] == reports["scalar"]["y"], tier
         assert report["attn_same_among_drafts"], tier
     first = reports["scalar"]["attn"]

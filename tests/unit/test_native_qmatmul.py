@@ -84,7 +84,7 @@ def test_bad_shapes_are_refused_with_a_clear_error():
         native.qmatmul(torch.ones(1, 96), blocks, "Q5_0")
 
 
-wide = pytest.mark.skipif(not native.wide_kernels(), reason="the CPU has no AVX-512 VNNI")
+vector = pytest.mark.skipif(not native.vector_loops(), reason="the CPU has no AVX2")
 K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
 
 
@@ -124,7 +124,7 @@ def test_k_quants_are_the_product_of_q8k_activations_and_the_files_weights(kind,
     assert torch.equal(native.qmatmul(x, blocks, kind, force_scalar=True), alone)  # this tier's loop: the same bits
 
 
-@wide
+@vector
 @pytest.mark.parametrize("kind", ["Q4_0", "Q5_0"])
 def test_blocks_in_pairs_give_the_same_bits_and_pack_back(kind):
     rng = np.random.default_rng(5)
@@ -141,7 +141,7 @@ def test_blocks_in_pairs_give_the_same_bits_and_pack_back(kind):
     assert layer.kind == kind + "P" and torch.equal(layer.tensors()["blocks"], blocks)
 
 
-@wide
+@vector
 def test_odd_shapes_are_refused_for_the_wide_layouts():
     with pytest.raises(ValueError, match="cannot be repacked"):
         native.repack(blocks_of(np.ones((4, 96), dtype=np.float32), "Q5_0"), "Q5_0")  # 3 blocks a row

@@ -250,7 +250,7 @@ def load_linear(weights: GGUFWeights, name: str, act_dtype: torch.dtype, device,
     dev = torch.device(device)
     b = weights.get(f"{name}.bias").to(device) if bias else None
     if blocks and dev.type == "cpu" and (kind in native.BLOCK_TYPES or (
-            kind in native.K_TYPES and native.k_quants_in_place() and weights.shape(f"{name}.weight")[1] % 256 == 0)):
+            kind in native.K_TYPES and native.vector_loops() and weights.shape(f"{name}.weight")[1] % 256 == 0)):
         data, _, _ = weights.raw(f"{name}.weight")
         return quant.BlockLinear(torch.from_numpy(np.array(data)), kind, bias=b)
     dense = ((act_dtype == torch.float32 and not blocks) or kind in quant.FLOAT_TYPES

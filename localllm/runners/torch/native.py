@@ -25,11 +25,11 @@ REBUILD = "rebuild localllm's native kernels with `pip install -e .` (a C compil
 BLOCK_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8}
 BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q4_0P": 18, "Q5_0P": 22}
 # K-quant super-blocks (256 weights) the matmul reads in place (native/kquant.c) where
-# ``k_quants_in_place()``.
+# ``vector_loops()``.
 K_TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 # Layouts of our own the matmul also reads: "Q4_0P" / "Q5_0P" are Q4_0 / Q5_0 with each pair of blocks
-# rearranged for AVX-512 (native/qmatmul.c; ``repack`` makes it where ``wide_kernels()``).
+# rearranged (native/qmatmul.c; ``repack`` makes it where ``vector_loops()``).
 PACKED_TYPES = {"Q4_0P": 102, "Q5_0P": 106}
 PACKED_FROM = {"Q4_0": "Q4_0P", "Q5_0": "Q5_0P"}
 _ERRORS = {1: "invalid arguments", 2: "out of memory"}
@@ -226,14 +226,15 @@ def qmatmul(x: torch.Tensor, blocks: torch.Tensor, kind: str, n_threads: int | N
 
 
 def wide_kernels() -> bool:
-    """Whether the matmul's AVX-512 VNNI loops run here, which alone read "Q4_0P" / "Q5_0P"."""
+    """Whether the matmul's AVX-512 VNNI loops run here."""
     lib = library()
     return lib is not None and lib.lm_isa() == ISA_TIERS["avx512vnni"]
 
 
-def k_quants_in_place() -> bool:
-    """Whether the matmul's vector loops for K-quant super-blocks (K_TYPES) run here: AVX2 and up.
-    The scalar tier computes them too (the same bits), but slower than torch's int4 / int8."""
+def vector_loops() -> bool:
+    """Whether the matmul's vector loops run here (AVX2 and up), which read the K-quants
+    (K_TYPES) and the pairs (PACKED_TYPES). The scalar tier computes the K-quants too (the same
+    bits), but slower than torch's int4 / int8; it reads no pairs."""
     lib = library()
     return lib is not None and lib.lm_isa() >= ISA_TIERS["avx2"]
 

@@ -156,9 +156,9 @@ class BlockLinear:
     to 8-bit blocks (Q8_K super-blocks for the K-quants), integer sums per block, as llama.cpp
     computes it. Takes and returns float32.
 
-    Where the CPU has AVX-512 VNNI, Q4_0 / Q5_0 blocks are kept rearranged in pairs ("Q4_0P" /
-    "Q5_0P", which that kernel unpacks in a fraction of the instructions: the same products,
-    bit for bit); ``tensors()`` gives them back as the file's blocks."""
+    Where the CPU has AVX2, Q4_0 / Q5_0 blocks are kept rearranged in pairs ("Q4_0P" / "Q5_0P",
+    which the kernels unpack in a fraction of the instructions: the same products, bit for
+    bit); ``tensors()`` gives them back as the file's blocks."""
 
     def __init__(self, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None = None):
         from localllm.runners.torch import native
@@ -168,7 +168,7 @@ class BlockLinear:
         else:
             self.in_features = blocks.shape[1] * GROUP // native.BLOCK_BYTES[kind]
         packed = native.PACKED_FROM.get(kind)
-        if packed and self.in_features % (2 * GROUP) == 0 and native.wide_kernels():
+        if packed and self.in_features % (2 * GROUP) == 0 and native.vector_loops():
             blocks, kind = native.repack(blocks.contiguous(), kind), packed
         self.blocks = blocks.contiguous()  # (out, in / 32 * block bytes) uint8
         self.kind = kind

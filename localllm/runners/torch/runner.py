@@ -136,8 +136,7 @@ class TorchRunner:
         cache = None
         if config.weights_cache_dir is not None and weights.is_quantized and self.device.type == "cpu":
             # (which tensors stay blocks depends on what this CPU's native kernels read)
-            layout = ("" if not blocks else "+wide" if native_kernels.wide_kernels()
-                      else "+kq" if native_kernels.k_quants_in_place() else "")
+            layout = "+vector" if blocks and native_kernels.vector_loops() else ""
             cache = WeightCache(config.weights_cache_dir, path, self.weights_scheme + layout)
         source = LayerSource(weights, dtype, self.device, cache.load() if cache else None,
                              int8_types=quant.SCHEMES[scheme], blocks=blocks)
