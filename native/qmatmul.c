@@ -107,6 +107,28 @@ AVX2_TARGET static inline float hsum(__m256 v) { /* lm_sum8's order */
     return _mm_cvtss_f32(s);
 }
 
+/* Rows n0..n1 of W against M rows of x with NAME##_row: W in runs of ROWS_RUN rows, each run
+ * against the rows of x 4 at a time, so a run's rows and 4 rows of x stay in the first-level
+ * cache while they meet. */
+#define ROWS_RUN 16
+#define ROWS_RUNS(NAME, TARGET)                                                                         \
+    TARGET static void NAME(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb,     \
+                            const qblock_t *xq, const float *xd, const __m256i *xc, int M, float *y, int N) { \
+        for (int r0 = n0; r0 < n1; r0 += ROWS_RUN)                                                      \
+            for (int m0 = 0; m0 < M; m0 += 4)                                                           \
+                for (int n = r0; n < n1 && n < r0 + ROWS_RUN; n++) {                                    \
+                    const int mc = M - m0 < 4 ? M - m0 : 4;                                             \
+                    const uint8_t *row = w + (size_t)n * row_bytes;                                     \
+                    const qblock_t *xs = xq + (size_t)m0 * nb;                                          \
+                    const float *ds = xd + (size_t)m0 * nb;                                             \
+                    const __m256i *cs = xc != NULL ? xc + (size_t)m0 * nb : NULL;                       \
+                    float *yt = y + (size_t)m0 * N;                                                     \
+                    if (mc == 1) NAME##_row(wtype, row, nb, xs, ds, cs, 1, yt, N, n);                   \
+                    else if (mc == 4) NAME##_row(wtype, row, nb, xs, ds, cs, 4, yt, N, n);              \
+                    else NAME##_row(wtype, row, nb, xs, ds, cs, mc, yt, N, n);                          \
+                }                                                                                       \
+    }
+
 /* The AVX2 and AVX-VNNI loops: a row of W at a time against up to 4 rows of x, its blocks
  * unpacked once for the 4. Block b's 8 lane sums go to the accumulator of its parity (the lanes
  * (b % 2) * 8 .. + 7 of lm_sum16's order), as the AVX-512 loops hold a pair of blocks in one
@@ -153,26 +175,7 @@ AVX2_TARGET static inline float hsum(__m256 v) { /* lm_sum8's order */
         for (int i = 0; i < mc; i++) y[(size_t)i * N + n] = hsum(_mm256_add_ps(acc[0][i], acc[1][i]));  \
     }                                                                                                   \
                                                                                                         \
-    TARGET static void NAME(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb,     \
-                            const qblock_t *xq, const float *xd, const __m256i *xc, int M, float *y, int N) { \
-        /* W in runs of ROWS_RUN rows, each run against the rows of x 4 at a time: a run's rows and     \
-         * 4 rows of x stay in the first-level cache while they meet. */                               \
-        for (int r0 = n0; r0 < n1; r0 += ROWS_RUN)                                                      \
-            for (int m0 = 0; m0 < M; m0 += 4)                                                           \
-                for (int n = r0; n < n1 && n < r0 + ROWS_RUN; n++) {                                    \
-                const int mc = M - m0 < 4 ? M - m0 : 4;                                                 \
-                const uint8_t *row = w + (size_t)n * row_bytes;                                         \
-                const qblock_t *xs = xq + (size_t)m0 * nb;                                              \
-                const float *ds = xd + (size_t)m0 * nb;                                                 \
-                const __m256i *cs = xc != NULL ? xc + (size_t)m0 * nb : NULL;                           \
-                float *yt = y + (size_t)m0 * N;                                                         \
-                if (mc == 1) NAME##_row(wtype, row, nb, xs, ds, cs, 1, yt, N, n);                       \
-                else if (mc == 4) NAME##_row(wtype, row, nb, xs, ds, cs, 4, yt, N, n);                  \
-                else NAME##_row(wtype, row, nb, xs, ds, cs, mc, yt, N, n);                              \
-            }                                                                                           \
-    }
-
-#define ROWS_RUN 16
+    ROWS_RUNS(NAME, TARGET)
 
 /* AVX2: q = w, aq = |w| */
 #define UNPACK_SIGNED(wtype, blk, q, aq) (q = unpack_avx2(wtype, blk), aq = _mm256_sign_epi8(q, q))
@@ -253,22 +256,7 @@ AVX2_TARGET static inline void pair_unsigned_avx2(int wtype, const uint8_t *pair
         for (int i = 0; i < mc; i++) y[(size_t)i * N + n] = hsum(_mm256_add_ps(acc0[i], acc1[i]));      \
     }                                                                                                   \
                                                                                                         \
-    TARGET static void NAME(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb,     \
-                            const qblock_t *xq, const float *xd, const __m256i *xc, int M, float *y, int N) { \
-        for (int r0 = n0; r0 < n1; r0 += ROWS_RUN)                                                      \
-            for (int m0 = 0; m0 < M; m0 += 4)                                                           \
-                for (int n = r0; n < n1 && n < r0 + ROWS_RUN; n++) {                                    \
-                    const int mc = M - m0 < 4 ? M - m0 : 4;                                             \
-                    const uint8_t *row = w + (size_t)n * row_bytes;                                     \
-                    const qblock_t *xs = xq + (size_t)m0 * nb;                                          \
-                    const float *ds = xd + (size_t)m0 * nb;                                             \
-                    const __m256i *cs = xc + (size_t)m0 * nb;                                           \
-                    float *yt = y + (size_t)m0 * N;                                                     \
-                    if (mc == 1) NAME##_row(wtype, row, nb, xs, ds, cs, 1, yt, N, n);                   \
-                    else if (mc == 4) NAME##_row(wtype, row, nb, xs, ds, cs, 4, yt, N, n);              \
-                    else NAME##_row(wtype, row, nb, xs, ds, cs, mc, yt, N, n);                          \
-                }                                                                                       \
-    }
+    ROWS_RUNS(NAME, TARGET)
 
 PAIRS_LOOP(pairs_avx2, AVX2_TARGET, DOTU_AVX2)
 PAIRS_LOOP(pairs_vnni, VNNI_TARGET, DOTU_VNNI)
