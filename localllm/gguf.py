@@ -25,6 +25,8 @@ import re
 import stat
 import struct
 import sys
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -353,23 +355,43 @@ def token_texts(path: str | Path) -> tuple[bytes, ...] | None:
     return _read_part(path, keep_strings="tokenizer.ggml.tokens").kept_strings
 
 
+# Headers read lately, by the file's identity: a load reads one file's header three or four
+# times (the check, the memory plan, the weights), and a 150k-token vocabulary takes ~80 ms
+# to skip each time. A file changed in place has another size or mtime, so it is read again.
+_PARTS: OrderedDict[tuple, _Part] = OrderedDict()
+_PARTS_KEPT = 8
+_PARTS_LOCK = threading.Lock()  # models load on worker threads
+
+
 def _read_part(path: Path, keep_strings: str | None = None) -> _Part:
     try:
-        is_file = stat.S_ISREG(path.stat().st_mode)  # a FIFO or a device would block or never end
+        st = path.stat()
+        is_file = stat.S_ISREG(st.st_mode)  # a FIFO or a device would block or never end
     except FileNotFoundError:
         raise ModelLoadError(f"model file {path} does not exist; pass the path to a .gguf file") from None
     except OSError as e:
         raise ModelLoadError(f"{path} cannot be read ({e}); pass the path to a readable .gguf file") from None
     if not is_file:
         raise ModelLoadError(f"{path} is not a file; pass the path to a .gguf file")
+    key = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, keep_strings)
+    with _PARTS_LOCK:
+        part = _PARTS.get(key)
+        if part is not None:
+            _PARTS.move_to_end(key)
+            return part
     try:
         with open(path, "rb") as f:
             if f.seek(0, 2) == 0:
                 raise ModelLoadError(f"{path} is empty, not a GGUF model; download it again")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                return _Parser(path, buf, keep_strings).parse()
+                part = _Parser(path, buf, keep_strings).parse()
     except (OSError, ValueError) as e:  # permissions, a file that vanished, mmap refusing it
         raise ModelLoadError(f"{path} cannot be read ({e}); pass the path to a readable .gguf file") from None
+    with _PARTS_LOCK:
+        _PARTS[key] = part
+        while len(_PARTS) > _PARTS_KEPT:
+            _PARTS.popitem(last=False)
+    return part
 
 
 class _Parser:

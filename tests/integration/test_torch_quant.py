@@ -65,7 +65,7 @@ def test_converted_weights_are_kept_and_read_back(gemma_path, tmp_path, caplog):
         from localllm.engine.request import SamplingParams, Sequence
         from localllm.engine.scheduler import ScheduledSeq, SchedulerOutput
 
-        runner = TorchRunner(config)
+        runner = TorchRunner(config, scheme="int4-int8-bf16")  # a scheme that converts every matrix
         try:
             seq = Sequence(prompt_token_ids=[2, 651, 6037, 532, 9079], params=SamplingParams())
             seq.block_table = [0]
@@ -88,14 +88,17 @@ def test_converted_weights_are_kept_and_read_back(gemma_path, tmp_path, caplog):
     assert cached_file.stat().st_size > 1000  # written again
 
 
-def test_gguf_blocks_scheme_keeps_the_files_blocks_and_reads_them_back(qwen_path, tmp_path):
+def test_gguf_blocks_scheme_reads_the_files_blocks_in_place(qwen_path, tmp_path):
     """The "gguf-blocks" scheme: Q5_0 / Q8_0 layers multiply the file's own blocks with the
-    native kernel; converted once, read back from the cache, the same logits bit for bit."""
+    native kernel, taken from the file's mapping. Where the vector loops run (AVX2 and up)
+    that is every matrix, and the Q5_0 embedding table too: nothing is converted, no cache
+    file is written, and the second load gives the same logits bit for bit. On the scalar
+    tier the K-quants are converted once and read back from the cache."""
     from localllm.config import CacheConfig, EngineConfig
     from localllm.engine.request import SamplingParams, Sequence
     from localllm.engine.scheduler import ScheduledSeq, SchedulerOutput
     from localllm.runners.torch import native
-    from localllm.runners.torch.quant import BlockLinear
+    from localllm.runners.torch.quant import BlockEmbedding, BlockLinear
     from localllm.runners.torch.runner import TorchRunner
 
     if not native.available():
@@ -115,11 +118,18 @@ def test_gguf_blocks_scheme_keeps_the_files_blocks_and_reads_them_back(qwen_path
             seq.block_table = [0]
             runner.attach(seq, 0)
             logits = runner.execute(SchedulerOutput([ScheduledSeq(seq, seq.num_prompt_tokens)])).copy()
-            results.append((runner.weights_from_cache, kinds, logits))
+            embed = runner.model.embed
+            results.append(((runner.weights_in_place, runner.weights_from_cache), kinds, logits))
         finally:
             runner.close()
     (first_cached, kinds, logits), (second_cached, kinds2, logits2) = results
-    assert (first_cached, second_cached) == (False, True)
+    if native.vector_loops():
+        assert (first_cached, second_cached) == ((True, False), (True, False))
+        assert not (tmp_path / "weights").exists()
+        assert isinstance(embed, BlockEmbedding) and embed.kind == "Q5_0"
+    else:
+        assert (first_cached, second_cached) == ((False, False), (False, True))
+    assert (logits == logits2).all()
     assert kinds == kinds2 == {"q": "BlockLinear", "gate": "BlockLinear", "down": kinds["down"],
                                "q kind": kinds["q kind"]}
     # AVX2 and up: Q4_K / Q6_K read in place too, Q5_0 in pairs
@@ -129,3 +139,25 @@ def test_gguf_blocks_scheme_keeps_the_files_blocks_and_reads_them_back(qwen_path
     else:  # the scalar tier: Q4_K / Q6_K as the default scheme's layers
         assert kinds["down"] in ("Int4Linear", "Int8Linear")
     assert (logits == logits2).all()
+
+
+@pytest.mark.parametrize("model", ["qwen", "gemma"])
+def test_an_embedding_table_read_in_place_gives_the_dequantized_rows_bit_for_bit(model, qwen_path, gemma_path):
+    """The blocks scheme's embedding table (Qwen's Q5_0, Gemma's Q8_0) looks up the same float32
+    rows as the table dequantized whole, for any shape of token ids, repeated ones included."""
+    from localllm.runners.torch import native
+    from localllm.runners.torch.layers import LayerSource
+    from localllm.runners.torch.quant import BlockEmbedding
+    from localllm.runners.torch.weights import GGUFWeights
+
+    if not native.available():
+        pytest.skip("localllm._native was not built here")
+    weights = GGUFWeights(qwen_path if model == "qwen" else gemma_path)
+    table = LayerSource(weights, torch.float32, "cpu", blocks=True).embedding("token_embd.weight", torch.float32)
+    assert isinstance(table, BlockEmbedding) and table.kind == {"qwen": "Q5_0", "gemma": "Q8_0"}[model]
+    whole = weights.get("token_embd.weight")
+    assert table.shape == tuple(whole.shape)
+    tokens = torch.tensor([[0, 7, 7, whole.shape[0] - 1], [151, 2, 3, 100]])
+    got = table[tokens]
+    assert got.shape == (2, 4, whole.shape[1]) and got.dtype == torch.float32
+    assert torch.equal(got, whole[tokens])

@@ -251,8 +251,8 @@ def load_linear(weights: GGUFWeights, name: str, act_dtype: torch.dtype, device,
     b = weights.get(f"{name}.bias").to(device) if bias else None
     if blocks and dev.type == "cpu" and (kind in native.BLOCK_TYPES or (
             kind in native.K_TYPES and native.vector_loops() and weights.shape(f"{name}.weight")[1] % 256 == 0)):
-        data, _, _ = weights.raw(f"{name}.weight")
-        return quant.BlockLinear(torch.from_numpy(np.array(data)), kind, bias=b)
+        data, _, _ = weights.raw(f"{name}.weight")  # the file's mapping, not a copy
+        return quant.BlockLinear(torch.from_numpy(data), kind, bias=b)
     dense = ((act_dtype == torch.float32 and not blocks) or kind in quant.FLOAT_TYPES
              or dev.type not in ("cpu", "cuda"))
     if dev.type == "cuda" and not dense:
@@ -271,43 +271,84 @@ def load_linear(weights: GGUFWeights, name: str, act_dtype: torch.dtype, device,
 
 
 class LayerSource:
-    """Where a model's tensors come from: converted from the GGUF now (each one recorded in
-    ``converted``, so the runner can cache them), or taken from ``cached``, the tensors of an
-    earlier conversion (names: ``NAME.w`` / ``.b`` float layers, ``.packed`` / ``.sz`` int4,
-    ``.w8`` / ``.s8`` int8; vectors by their GGUF name)."""
+    """Where a model's tensors come from. Blocks the native kernels read (``reads_in_place``)
+    come from the file's mapping, never copied but to join neighbours (Parallel) or rearrange
+    Q4_0 / Q5_0 in pairs; so do float32 vectors (norms, biases). Everything else is converted:
+    taken from ``cache`` (a WeightCache, read at the first conversion) where an earlier load
+    kept it, converted now otherwise and recorded in ``converted`` for the runner to keep.
+    Cached names: ``NAME.w`` / ``.b`` float layers, ``.packed`` / ``.sz`` int4, ``.w8`` /
+    ``.s8`` int8, ``.blocks`` / ``.kind`` blocks; vectors by their GGUF name."""
 
-    def __init__(self, weights: GGUFWeights, dtype: torch.dtype, device,
-                 cached: dict[str, torch.Tensor] | None = None, int8_types: frozenset[str] | None = None,
-                 blocks: bool = False):
-        self.weights, self.dtype, self.device, self.cached = weights, dtype, device, cached
+    def __init__(self, weights: GGUFWeights, dtype: torch.dtype, device, cache=None,
+                 int8_types: frozenset[str] | None = None, blocks: bool = False):
+        self.weights, self.dtype, self.device, self.cache = weights, dtype, device, cache
         self.int8_types, self.blocks = int8_types, blocks
+        self._cached: dict[str, torch.Tensor] | None = None
         self.converted: dict[str, torch.Tensor] = {}
+        self.num_from_cache = 0  # layers and vectors the cache gave
 
     def has(self, name: str) -> bool:
         return self.weights.has(name)
 
+    def cached(self) -> dict[str, torch.Tensor]:
+        """The cache's tensors ({} where there is none yet), read once."""
+        if self._cached is None:
+            self._cached = (self.cache.load() if self.cache is not None else None) or {}
+        return self._cached
+
+    def reads_in_place(self, name: str) -> bool:
+        """Whether the matrix ``name`` stays in the file's blocks for the native matmul."""
+        from localllm.runners.torch import native
+
+        if not self.blocks or torch.device(self.device).type != "cpu":
+            return False
+        kind = self.weights.tensor_type(f"{name}.weight")
+        return kind in native.BLOCK_TYPES or (kind in native.K_TYPES and native.vector_loops()
+                                              and self.weights.shape(f"{name}.weight")[1] % 256 == 0)
+
     def linear(self, name: str, bias: bool = False):
         from localllm.runners.torch import quant
 
-        c = self.cached
-        if c is None:
-            layer = load_linear(self.weights, name, self.dtype, self.device, bias, self.int8_types, self.blocks)
-            self.converted.update({f"{name}.{k}": t for k, t in layer.tensors().items()})
-            return layer
+        if self.reads_in_place(name):
+            return load_linear(self.weights, name, self.dtype, self.device, bias, self.int8_types, self.blocks)
+        c = self.cached()
         b = c.get(f"{name}.b")
+        layer = None
         if f"{name}.blocks" in c:
-            return quant.BlockLinear.from_tensors(c[f"{name}.blocks"], c[f"{name}.kind"], b)
-        if f"{name}.packed" in c:
-            return quant.Int4Linear(c[f"{name}.packed"], c[f"{name}.sz"], b)
-        if f"{name}.w8" in c:
-            return quant.Int8Linear(c[f"{name}.w8"], c[f"{name}.s8"], b)
-        return Linear(c[f"{name}.w"], b)
+            layer = quant.BlockLinear.from_tensors(c[f"{name}.blocks"], c[f"{name}.kind"], b)
+        elif f"{name}.packed" in c:
+            layer = quant.Int4Linear(c[f"{name}.packed"], c[f"{name}.sz"], b)
+        elif f"{name}.w8" in c:
+            layer = quant.Int8Linear(c[f"{name}.w8"], c[f"{name}.s8"], b)
+        elif f"{name}.w" in c:
+            layer = Linear(c[f"{name}.w"], b)
+        if layer is not None:
+            self.num_from_cache += 1
+            return layer
+        layer = load_linear(self.weights, name, self.dtype, self.device, bias, self.int8_types, self.blocks)
+        self.converted.update({f"{name}.{k}": t for k, t in layer.tensors().items()})
+        return layer
 
     def vector(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A tensor kept as floats (norms, the embedding table)."""
-        if self.cached is not None:
-            return self.cached[name]
+        """A tensor kept as floats (norms, the embedding table where it is not read in place)."""
+        if dtype == torch.float32 and self.weights.tensor_type(name) == "F32":
+            return self.weights.get(name).to(self.device)
+        c = self.cached()
+        if name in c:
+            self.num_from_cache += 1
+            return c[name]
         t = self.weights.get(name).to(device=self.device, dtype=dtype)
         self.converted[name] = t
         return t
 
+    def embedding(self, name: str, dtype: torch.dtype):
+        """The token embedding table: its rows looked up as ``table[tokens]``. On the CPU with the
+        blocks scheme, the file's Q4_0 / Q5_0 / Q8_0 blocks, each step's rows dequantized as
+        asked (quant.BlockEmbedding); a table of ``dtype`` floats otherwise."""
+        from localllm.runners.torch import native, quant
+
+        kind = self.weights.tensor_type(name)
+        if self.blocks and torch.device(self.device).type == "cpu" and kind in native.BLOCK_TYPES:
+            data, _, cols = self.weights.raw(name)
+            return quant.BlockEmbedding(torch.from_numpy(data), kind, cols)
+        return self.vector(name, dtype)

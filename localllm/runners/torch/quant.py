@@ -196,3 +196,21 @@ class BlockLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x.reshape(-1, self.in_features))
         return y if self.bias is None else y.add_(self.bias)  # y is the matmul's own new tensor
+
+
+class BlockEmbedding:
+    """A token embedding table kept in its GGUF blocks (Q4_0, Q5_0 or Q8_0): ``table[tokens]``
+    dequantizes the rows of those tokens alone (native dequantize: the gguf package's values
+    bit for bit, as float32), so the table costs its file's bytes, not four per weight."""
+
+    def __init__(self, blocks: torch.Tensor, kind: str, dim: int):
+        self.blocks, self.kind, self.dim = blocks, kind, dim
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape[0], self.dim
+
+    def __getitem__(self, tokens: torch.Tensor) -> torch.Tensor:
+        from localllm.runners.torch import native
+
+        return native.dequantize(self.blocks[tokens.reshape(-1)], self.kind, self.dim).view(*tokens.shape, self.dim)

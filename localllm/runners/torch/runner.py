@@ -138,12 +138,14 @@ class TorchRunner:
             # (which tensors stay blocks depends on what this CPU's native kernels read)
             layout = "+vector" if blocks and native_kernels.vector_loops() else ""
             cache = WeightCache(config.weights_cache_dir, path, self.weights_scheme + layout)
-        source = LayerSource(weights, dtype, self.device, cache.load() if cache else None,
-                             int8_types=quant.SCHEMES[scheme], blocks=blocks)
+        source = LayerSource(weights, dtype, self.device, cache, int8_types=quant.SCHEMES[scheme], blocks=blocks)
         self.model = models.build(self.config, source, dtype, self.device)
-        self.weights_from_cache = source.cached is not None
-        if cache is not None and not self.weights_from_cache:
-            cache.save(source.converted)
+        # What the load read: blocks in place from the file alone (nothing converted, nothing
+        # kept), or also tensors converted now or taken from the cache of an earlier load.
+        self.weights_in_place = not source.converted and not source.num_from_cache
+        self.weights_from_cache = source.num_from_cache > 0
+        if cache is not None and source.converted:
+            cache.save({**source.cached(), **source.converted})
         self.block_size = config.cache.block_size
         # The step token budget where none is given: on a GPU a 2,048-token step costs little
         # more than a 256-token one (a 2,000-token prompt: 42 ms in one step against 142 ms in

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("localllm.weight_cache")
-FORMAT = 3  # 2: gguf-blocks keeps Q4_K / Q6_K as blocks where the native kernels read them; 3: Q5_K too
+FORMAT = 4  # 2: gguf-blocks keeps Q4_K / Q6_K as blocks where the native kernels read them; 3: Q5_K too;
+# 4: only what was converted (blocks read in place come from the GGUF itself)
 
 
 class WeightCache:

@@ -50,7 +50,9 @@ class GGUFWeights:
         self.path = Path(path)
         self._meta, self._data_start, tensors = tensor_table(self.path)
         self._tensors = {t.name: t for t in tensors}
-        self._file = np.memmap(self.path, dtype=np.uint8, mode="r")
+        # Copy-on-write: torch takes the blocks as writable tensors; nothing writes them, so
+        # every page stays the file's own (shared with the page cache, never copied).
+        self._file = np.memmap(self.path, dtype=np.uint8, mode="c")
 
     def meta(self, key: str, default=None):
         return self._meta.get(key, default)

@@ -18,7 +18,7 @@ from localllm.runners.torch.weights import ModelConfig
 class Gemma3Model:
     def __init__(self, config: ModelConfig, weights: LayerSource, dtype: torch.dtype, device):
         self.config, self.dtype, self.device = config, dtype, device
-        self.embed = weights.vector("token_embd.weight", dtype)
+        self.embed = weights.embedding("token_embd.weight", dtype)
         self.layers = [self._load_layer(weights, i) for i in range(config.n_layer)]
         self.norm = weights.vector("output_norm.weight")
         self.lm_head = weights.linear("output" if weights.has("output.weight") else "token_embd")

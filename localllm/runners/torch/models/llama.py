@@ -21,7 +21,7 @@ class LlamaModel:
         """dtype: what the matmuls take (float32, or bfloat16 for quantized weights); the
         residual stream, norms, rope and attention stay float32."""
         self.config, self.dtype, self.device = config, dtype, device
-        self.embed = weights.vector("token_embd.weight", dtype)  # (vocab, d)
+        self.embed = weights.embedding("token_embd.weight", dtype)  # (vocab, d)
         self.layers = [self._load_layer(weights, i) for i in range(config.n_layer)]
         self.norm = weights.vector("output_norm.weight")
         self.lm_head = weights.linear("output" if weights.has("output.weight") else "token_embd")
