@@ -1,6 +1,6 @@
 """Prompt-lookup speculative decoding, on against off, in one engine and one run.
 
-    python benchmarks/spec_decode.py [--rounds 3] [--only edit,summary,chat] [--runner llamacpp|torch]
+    python benchmarks/spec_decode.py [--rounds 3] [--only edit,summary,chat] [--runner auto|llamacpp|torch]
 
 Three kinds of request, greedy (what editors send), on the Qwen2.5-Coder-0.5B test file:
 
@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", default="edit,summary,chat")
-    parser.add_argument("--runner", default="llamacpp", choices=("llamacpp", "torch"))
+    parser.add_argument("--runner", default="auto", choices=("auto", "llamacpp", "torch"))
     args = parser.parse_args()
     from localllm import paths
 

@@ -89,7 +89,8 @@ def _add_runner(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runner", choices=RUNNERS, default="auto",
                    help="what computes the model: llama.cpp, or localllm's own PyTorch models "
                         "(qwen2, llama, gemma3; needs `pip install 'localllm[torch]'`); "
-                        "auto is llama.cpp for now (default)")
+                        "auto (default): the torch runner on an NVIDIA GPU, or on a CPU with AVX-512 VNNI "
+                        "when its kernels read the file in place; llama.cpp otherwise (`localllm doctor` says which)")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -187,10 +187,12 @@ class SharedMemory:
         self.base = base
         self.runner = base.runner
         if self.runner == "auto":  # planned as the runner auto takes for the models it supports
-            from localllm.engine.engine import probe_auto
+            from localllm.engine.engine import CPU_LEADING_TIERS, probe_auto
 
             probe = probe_auto()
-            self.runner = "torch" if probe.cuda is not None and not probe.llama_gpu else "llamacpp"
+            on_gpu = probe.cuda is not None and not probe.llama_gpu
+            on_cpu = probe.cuda is None and probe.cpu_tier in CPU_LEADING_TIERS
+            self.runner = "torch" if on_gpu or on_cpu else "llamacpp"
         free, self.where = machine_free(base, self.runner)
         self.total = free
         self.budget = None if free is None else free - HEADROOM_BASE - int(HEADROOM_SHARE * free)

@@ -120,10 +120,11 @@ def _placement(report: dict) -> tuple[str, str, int | None]:
     return "CPU", "RAM", _ram_available(report)
 
 
-def _auto_runner(report: dict, arch: str | None) -> tuple[str, str]:
-    """The runner `--runner auto` gives a model of ``arch`` here, and why (engine.choose_runner,
-    on what this report already probed)."""
-    from localllm.engine.engine import AutoProbe, choose_runner
+def _auto_runner(report: dict, arch: str | None, path) -> tuple[str, str, bool]:
+    """The runner `--runner auto` gives a model of ``arch`` at ``path`` here, why, and whether
+    on the GPU (engine.choose_runner, on what this report already probed: the native kernels'
+    tier as loaded, LOCALLLM_NATIVE_ISA included)."""
+    from localllm.engine.engine import CPU_LEADING_TIERS, AutoProbe, choose_runner, formats_not_in_place
 
     torch_report, llama = report["gpus"]["torch"], report["llama_cpp"]
     gpus = torch_report.get("cuda") or [] if isinstance(torch_report, dict) else []
@@ -133,7 +134,11 @@ def _auto_runner(report: dict, arch: str | None) -> tuple[str, str]:
         from localllm.runners.torch import triton_attention
 
         graphs = triton_attention.available()
-    return choose_runner(arch, AutoProbe(cuda, graphs, bool(llama.get("gpu_offload"))))
+    use = report["native_kernel_use"]
+    tier = use.get("isa") if isinstance(use, dict) and use.get("usable") else None
+    not_in_place = formats_not_in_place(path) if cuda is None and tier in CPU_LEADING_TIERS else ()
+    runner, why = choose_runner(arch, AutoProbe(cuda, graphs, bool(llama.get("gpu_offload")), tier), not_in_place)
+    return runner, why, runner == "torch" and cuda is not None
 
 
 def _models(report: dict) -> list[dict]:
@@ -159,10 +164,12 @@ def _models(report: dict) -> list[dict]:
             "trained_context": info.context_length, "sliding_window": info.sliding_window,
             "file_bytes": info.size_bytes, "weights_bytes": info.tensor_bytes, "kv_bytes_per_token": kv,
         })
-        runner, why = _auto_runner(report, info.architecture)
+        runner, why, on_gpu = _auto_runner(report, info.architecture, model.path)
         entry.update({"runner": runner, "runner_why": why})
         where, kind, budget = _placement(report)
-        if runner == "torch":
+        if runner == "torch":  # on the CPU or on CUDA, never where llama.cpp offloads
+            where, kind, budget = "CPU", "RAM", _ram_available(report)
+        if on_gpu:
             gpu = report["gpus"]["torch"]["cuda"][0]
             where, kind, budget = f"CUDA ({gpu['name']})", "VRAM", gpu["memory_free"]
         if kind != "RAM" and budget is not None and info.tensor_bytes > budget:
@@ -170,14 +177,15 @@ def _models(report: dict) -> list[dict]:
             where, kind, budget = "CPU", "RAM", _ram_available(report)
         entry.update({"device": where, "memory_kind": kind, "memory_available": budget})
         if kv is not None:
-            entry["kv_pool"] = {dtype: _pool(info, dtype, budget, kind) for dtype in KV_DTYPES_SHOWN}
+            entry["kv_pool"] = {dtype: _pool(info, dtype, runner, budget, kind) for dtype in KV_DTYPES_SHOWN}
     return entries
 
 
-def _pool(info, kv_dtype: str, budget: int | None, kind: str) -> dict:
-    """The KV pool a start without --ctx gets (localllm.memory's rule), or why it cannot start."""
+def _pool(info, kv_dtype: str, runner: str, budget: int | None, kind: str) -> dict:
+    """The KV pool a start without --ctx gets on ``runner`` (localllm.memory's rule), or why it
+    cannot start."""
     try:
-        plan = kv_memory.plan(info, kv_dtype, "llamacpp", None, budget, kind)
+        plan = kv_memory.plan(info, kv_dtype, runner, None, budget, kind)
     except LocalLLMError as e:
         return {"error": str(e)}
     return {"tokens": plan.tokens, "kv_bytes_per_token": plan.kv_bytes_per_token, "kv_bytes": plan.kv_bytes,

@@ -67,6 +67,9 @@ def _banner(server_config: ServerConfig, port: int, models, loaded) -> None:
     for model in chats:
         engine = model.server.engine.engine
         of = "" if len(chats) == 1 else f" of {model.entry.name}"
+        runner = engine.runner
+        why = getattr(runner, "chosen_because", None)
+        say(f"Runner{of}: {runner.name}" + (f" ({why})" if why else ""))
         if engine.kv_pool_summary:
             say(f"KV cache{of}: {engine.kv_pool_summary}")
         say(f"Context{of}: {engine.max_model_len} tokens per request, prompt and answer together")

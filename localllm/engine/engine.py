@@ -57,6 +57,54 @@ class AutoProbe:
     cuda: str | None  # the name of the NVIDIA GPU torch can use, or None
     graphs: bool  # the torch runner captures decode steps there (Triton is installed)
     llama_gpu: bool  # this install's llama.cpp offloads to a GPU
+    cpu_tier: str | None = None  # the tier the native kernels run on this CPU; None without them
+
+
+# The tiers of the native kernels on which the torch runner was measured ahead of llama.cpp on
+# the CPU (decode of one stream and of eight, and prefill, on both test models: docs/benchmarks.md,
+# "--runner auto on the CPU"). On AVX2 and AVX-VNNI it is not yet (single-stream decode
+# 0.8-1.2x), so auto keeps llama.cpp there.
+CPU_LEADING_TIERS = frozenset({"avx512vnni"})
+# GGUF block formats the native kernels read in place on a tier with vector loops (AVX2 and up),
+# for a matrix and for the token embedding table; F32 tensors are read in place everywhere.
+CPU_IN_PLACE = frozenset({"Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
+CPU_IN_PLACE_EMBEDDING = frozenset({"Q4_0", "Q5_0", "Q8_0"})
+
+
+def cpu_tier() -> str | None:
+    """The native kernels' tier on this CPU, from its flags (no library loaded): None where the
+    kernels or torch are not installed; LOCALLLM_NATIVE_ISA lowers it as it lowers the kernels."""
+    import importlib.util
+    import os
+
+    from localllm.runners import device
+
+    if any(importlib.util.find_spec(m) is None for m in ("torch", "gguf", "localllm._native")):
+        return None
+    info = device.cpu_info()
+    tier = device.native_tier_of(info.machine, info.features)
+    order = ("scalar", "avx2", "avxvnni", "avx512vnni")
+    forced = os.environ.get("LOCALLLM_NATIVE_ISA", "").strip().lower()
+    if forced in order and order.index(forced) < order.index(tier):
+        tier = forced
+    return tier
+
+
+def formats_not_in_place(path: str | Path) -> list[str]:
+    """The formats of this file's matrices that the torch runner's kernels do not read in their
+    own blocks on the CPU (with vector loops; float matrices included: their speed against
+    llama.cpp is not measured), sorted; [] where it reads them all."""
+    from localllm.gguf import tensor_table
+
+    _, _, tensors = tensor_table(path)
+    out = set()
+    for t in tensors:
+        if len(t.shape) < 2:
+            continue  # vectors (norms, biases) are read as floats, in place
+        allowed = CPU_IN_PLACE_EMBEDDING if t.name == "token_embd.weight" else CPU_IN_PLACE
+        if t.type_name not in allowed:
+            out.add(t.type_name)
+    return sorted(out)
 
 
 def probe_auto() -> AutoProbe:
@@ -76,47 +124,76 @@ def probe_auto() -> AutoProbe:
         from localllm.runners.llamacpp import backend_report
 
         llama_gpu = backend_report()["gpu_offload"]
-    return AutoProbe(cuda, graphs, llama_gpu)
+    return AutoProbe(cuda, graphs, llama_gpu, cpu_tier())
 
 
-def choose_runner(arch: str | None, probe: AutoProbe) -> tuple[str, str]:
-    """``--runner auto``: (runner, why) for a model of architecture ``arch``.
+def choose_runner(arch: str | None, probe: AutoProbe, not_in_place: list[str] | tuple = ()) -> tuple[str, str]:
+    """``--runner auto``: (runner, why) for a model of architecture ``arch`` whose file holds
+    ``not_in_place`` (formats_not_in_place).
 
     On an NVIDIA GPU that torch can use, when this llama.cpp has no GPU offload (what `pipx
     install localllm` builds), the torch runner on CUDA, for the architectures it has a model
     for: its decode steps are CUDA graphs (docs/benchmarks.md, "The torch runner on CUDA"),
     where llama.cpp would run on the CPU. A llama.cpp with GPU offload keeps the model: no
-    same-machine comparison of the two on a GPU is measured yet. Everywhere else llama.cpp: on
-    the CPUs measured, the torch runner leads only where AVX-512 VNNI kernels run, and on
-    Metal it has no kernels of its own."""
-    if probe.cuda is None:
-        return "llamacpp", "llama.cpp: no NVIDIA GPU that torch can use"
-    if probe.llama_gpu:
-        return "llamacpp", f"llama.cpp on {probe.cuda}: this llama.cpp offloads to the GPU"
+    same-machine comparison of the two on a GPU is measured yet. On the CPU, the torch runner
+    where its native kernels run a tier of CPU_LEADING_TIERS and read every weight of the file
+    in place (its speed, exact seeds, drafting and prefix hits that give the cold answer);
+    llama.cpp otherwise, and on Metal, where the torch runner has no kernels of its own."""
     from localllm.runners.torch import models
 
-    if arch is None or not models.supported(arch):
+    supported = arch is not None and models.supported(arch)
+    if probe.cuda is None:
+        return _choose_on_cpu(arch, supported, probe.cpu_tier, not_in_place)
+    if probe.llama_gpu:
+        return "llamacpp", f"llama.cpp on {probe.cuda}: this llama.cpp offloads to the GPU"
+    if not supported:
         return "llamacpp", (f"llama.cpp on the CPU: the torch runner has no model for the {arch!r} architecture and "
                             "this llama.cpp has no GPU offload; `localllm doctor` prints how to rebuild it with CUDA")
     how = "decode steps as CUDA graphs" if probe.graphs else "without CUDA graphs: Triton is not installed"
     return "torch", f"the torch runner on {probe.cuda} ({how}): this llama.cpp has no GPU offload"
 
 
+def _choose_on_cpu(arch: str | None, supported: bool, tier: str | None,
+                   not_in_place: list[str] | tuple) -> tuple[str, str]:
+    if tier is None:
+        return "llamacpp", ("llama.cpp on the CPU: the torch runner's native kernels are not installed "
+                            "(`pip install 'localllm[torch]'` where a C compiler is)")
+    if tier not in CPU_LEADING_TIERS:
+        return "llamacpp", (f"llama.cpp on the CPU: the torch runner leads it only with AVX-512 VNNI kernels, "
+                            f"and this CPU's are {tier}")
+    if not supported:
+        return "llamacpp", f"llama.cpp on the CPU: the torch runner has no model for the {arch!r} architecture"
+    if not_in_place:
+        return "llamacpp", (f"llama.cpp on the CPU: the torch runner's kernels do not read this file's "
+                            f"{', '.join(not_in_place)} matrices in their own blocks")
+    return "torch", (f"the torch runner on the CPU: its {tier} kernels read every tensor of this file in place "
+                     "(exact seeds and drafting, prefix hits that give the cold answer)")
+
+
 def load_runner(config: EngineConfig) -> ModelRunner:
-    """The runner ``config.runner`` names; "auto" as choose_runner decides (one info line says
-    which and why). "torch" on an architecture it has no model for falls back to llama.cpp with
-    one info line."""
-    name = config.runner
+    """The runner ``config.runner`` names; "auto" as choose_runner decides (one line says which
+    and why: info where a GPU or the CPU's tier made it a choice). "torch" on an architecture it
+    has no model for falls back to llama.cpp with one info line."""
+    name, why = config.runner, None
     if name == "auto":
         probe = probe_auto()
-        arch = None
-        if probe.cuda is not None:
+        arch, not_in_place = None, ()
+        if probe.cuda is not None or probe.cpu_tier in CPU_LEADING_TIERS:
             from localllm.gguf import read_info
 
             arch = read_info(Path(config.model_path)).architecture
-        name, why = choose_runner(arch, probe)
-        # Said where a GPU made it a choice; without one it is always llama.cpp.
-        (log.info if probe.cuda is not None else log.debug)("%s: %s", Path(config.model_path).name, why)
+            if probe.cuda is None:
+                not_in_place = formats_not_in_place(config.model_path)
+        name, why = choose_runner(arch, probe, not_in_place)
+        chose = probe.cuda is not None or probe.cpu_tier in CPU_LEADING_TIERS
+        (log.info if chose else log.debug)("%s: %s", Path(config.model_path).name, why)
+    runner = _load_named(config, name)
+    if why is not None and runner.name == name:
+        runner.chosen_because = why
+    return runner
+
+
+def _load_named(config: EngineConfig, name: str) -> ModelRunner:
     if name == "torch":
         try:
             from localllm.runners.torch import models

@@ -16,6 +16,7 @@ class ModelRunner(KVListener, Protocol):
     vocab: Vocab
     n_ctx: int  # KV cells the runner holds: the BlockManager gets n_ctx // block_size blocks
     fingerprint: bytes  # names the model, runner and KV layout in chain hashes
+    chosen_because: str | None  # why --runner auto chose this runner; None where it was named
 
     def execute(self, out: SchedulerOutput) -> np.ndarray:
         """Compute the scheduled tokens; return (n, vocab) logits, one row for each scheduled

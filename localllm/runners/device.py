@@ -74,6 +74,19 @@ def cpu_features_from_cpuinfo(text: str) -> tuple[str, ...]:
     return ()
 
 
+def native_tier_of(machine: str, features: tuple[str, ...]) -> str:
+    """The best tier of localllm's native kernels (native/isa.c) a CPU of these features runs,
+    read from the flags alone (no library loaded): "avx512vnni", "avxvnni", "avx2" or "scalar"."""
+    if machine not in ("x86_64", "AMD64", "amd64"):
+        return "scalar"
+    have = {f.replace("_", "") for f in features}  # Linux "avx512_vnni", macOS "avx512vnni"
+    if not {"avx", "f16c", "avx2", "fma"} <= have:
+        return "scalar"
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni"} <= have:
+        return "avx512vnni"
+    return "avxvnni" if "avxvnni" in have else "avx2"
+
+
 def cpu_info() -> CPUInfo:
     machine = platform.machine()
     model, features = None, ()

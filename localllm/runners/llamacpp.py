@@ -293,6 +293,7 @@ class VocabFile:
 
 class LlamaCppRunner:
     name = "llamacpp"
+    chosen_because: str | None = None  # set by engine.load_runner when --runner auto chose it
 
     def __init__(self, config: EngineConfig):
         _init_backend()

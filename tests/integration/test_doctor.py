@@ -134,6 +134,15 @@ def test_json_report_without_models(tmp_path):
         assert report["advice"] == ["no models installed; `localllm pull qwen2.5-coder:0.5b` installs a small one"]
 
 
+def _auto_on_this_cpu(path) -> tuple[str, str]:
+    """What --runner auto gives ``path`` on this CPU, by engine.choose_runner (the doctor must agree)."""
+    from localllm.engine import engine
+    from localllm.gguf import read_info
+
+    probe = engine.AutoProbe(None, False, False, engine.cpu_tier())
+    return engine.choose_runner(read_info(path).architecture, probe, engine.formats_not_in_place(path))
+
+
 @pytest.mark.model
 @pytest.mark.skipif(not IS_LINUX, reason="reads /proc")
 def test_estimates_for_installed_models(tmp_path, qwen_path):
@@ -151,16 +160,20 @@ def test_estimates_for_installed_models(tmp_path, qwen_path):
     lines = doctor(tmp_path).stdout.splitlines()
     i = lines.index(f"  qwen2.5-coder:0.5b: {qwen_path}")
     assert lines[i + 1] == "    model: qwen2 Q4_K_M, 630,167,424 parameters, trained context 32768"
+    runner, why = _auto_on_this_cpu(qwen_path)
     if not HAS_GPU:
-        assert lines[i + 2] == "    runner: llamacpp on CPU (llama.cpp: no NVIDIA GPU that torch can use)"
+        assert lines[i + 2] == f"    runner: {runner} on CPU ({why})"
     assert lines[i + 3] == "    weights: 485,452,288 bytes (463.0 MiB)"
-    # Q8_0 stores 32 values in 34 bytes: 24 layers x 2 KV heads x 128 values x 34 / 32.
-    assert lines[i + 4] == "    KV cache: bytes per token: 12,288 at f16, 6,528 at q8_0"
+    # llama.cpp's Q8_0 stores 32 values in 34 bytes: 24 layers x 2 KV heads x 128 values x 34 / 32;
+    # the torch runner's int8 values and a float16 scale per token and KV head (6,144 + 192).
+    q8 = "6,528" if runner == "llamacpp" else "6,336"
+    assert lines[i + 4] == f"    KV cache: bytes per token: 12,288 at f16, {q8} at q8_0"
     # Memory here is far above the model's needs: the trained context is the limit.
     assert re.fullmatch(r"    --kv-dtype f16: 32,768 tokens \(384 MiB, f16\): 8 conversations of 4k, "
                         r"or 1 of 32k \(limited by the model's trained context; \d+\.\d GiB available (RAM|VRAM)\)",
                         lines[i + 5]), lines[i + 5]
-    assert re.fullmatch(r"    --kv-dtype q8_0: 32,768 tokens \(204 MiB, q8_0\): 8 conversations of 4k, "
+    q8_pool = "204 MiB" if runner == "llamacpp" else "198 MiB"
+    assert re.fullmatch(rf"    --kv-dtype q8_0: 32,768 tokens \({q8_pool}, q8_0\): 8 conversations of 4k, "
                         r"or 1 of 32k \(limited by the model's trained context; .*\)", lines[i + 6]), lines[i + 6]
     assert lines[lines.index(f"  gone: {tmp_path / 'gone.gguf'}") + 1] == (
         f"    error: its file {tmp_path / 'gone.gguf'} is gone; `localllm rm gone` forgets it")
@@ -175,14 +188,14 @@ def test_estimates_for_installed_models(tmp_path, qwen_path):
                                  "weights_bytes", "kv_bytes_per_token", "runner")} == {
         "architecture": "qwen2", "file_type": "Q4_K_M", "parameters": 630_167_424, "trained_context": 32768,
         "file_bytes": qwen_path.stat().st_size, "weights_bytes": weights, "kv_bytes_per_token": kv,
-        "runner": "llamacpp"}
+        "runner": runner if not HAS_GPU else qwen["runner"]}
     budget = qwen["memory_available"]
     if qwen["memory_kind"] == "RAM":
         assert budget == report["memory"]["available"]
     assert qwen["kv_pool"]["f16"] == {
         "tokens": 32768, "kv_bytes_per_token": kv, "kv_bytes": 32768 * kv, "limited_by": "the model's trained context",
         "summary": "32,768 tokens (384 MiB, f16): 8 conversations of 4k, or 1 of 32k"}
-    assert qwen["kv_pool"]["q8_0"]["kv_bytes_per_token"] == 6528
+    assert qwen["kv_pool"]["q8_0"]["kv_bytes_per_token"] == (6528 if qwen["runner"] == "llamacpp" else 6336)
 
 
 def test_reinstall_commands():

@@ -38,8 +38,8 @@ def eval_json(*args) -> dict:
 
 @pytest.fixture(scope="module")
 def reference_json(qwen_path, short_text) -> dict:
-    """The default configuration (llama.cpp, f16 KV): the reference itself."""
-    return eval_json(qwen_path, "--text", short_text)
+    """llama.cpp with its f16 KV: the reference itself (auto may name the torch runner here)."""
+    return eval_json(qwen_path, "--text", short_text, "--runner", "llamacpp")
 
 
 def test_reference_against_itself(qwen_path, reference_json):
@@ -56,7 +56,7 @@ def test_reference_against_itself(qwen_path, reference_json):
 
 
 def test_f32_kv_cache_against_the_reference(qwen_path, short_text, reference_json):
-    r = eval_json(qwen_path, "--text", short_text, "--kv-dtype", "f32")
+    r = eval_json(qwen_path, "--text", short_text, "--runner", "llamacpp", "--kv-dtype", "f32")
     assert r["candidate_is_reference"] is False
     assert r["reference"] == reference_json["reference"]  # the reference does not depend on the candidate
     c = r["candidate"]
@@ -78,7 +78,7 @@ def test_torch_runner_against_the_reference(qwen_path, short_text, reference_jso
 
 
 def test_table(qwen_path, short_text, reference_json):
-    proc = localllm("eval", qwen_path, "--text", short_text, "--threads", "2")
+    proc = localllm("eval", qwen_path, "--text", short_text, "--threads", "2", "--runner", "llamacpp")
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     head, columns, ref_row, cand_row = proc.stdout.splitlines()

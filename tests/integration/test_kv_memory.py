@@ -109,7 +109,7 @@ def test_a_model_that_cannot_fit_fails_before_loading(qwen_path, tmp_path):
     (its log, turned on, says nothing of loading)."""
     info = read_info(qwen_path)
     env = {**os.environ, "LOCALLLM_HOME": str(tmp_path), "LOCALLLM_LLAMA_LOG": "1"}
-    r = subprocess.run(LOCALLLM + ["run", str(qwen_path), "hi", "--memory", "600MiB"],
+    r = subprocess.run(LOCALLLM + ["run", str(qwen_path), "hi", "--memory", "600MiB", "--runner", "llamacpp"],
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2, r.stderr
     assert r.stdout == ""
@@ -121,7 +121,7 @@ def test_a_model_that_cannot_fit_fails_before_loading(qwen_path, tmp_path):
         "use a smaller quant of the model (fewer bits per weight), or raise --memory\n")
     # With room for the weights but not the context asked for: what --ctx would fit.
     r = subprocess.run(LOCALLLM + ["run", str(qwen_path), "hi", "--memory", "1200MiB", "--ctx", "100000",
-                                   "--kv-dtype", "q8_0"], capture_output=True, text=True, timeout=120, env=env)
+                                   "--kv-dtype", "q8_0", "--runner", "llamacpp"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2
     assert "but --memory allows 1.17 GiB; lower --ctx to 26,368 or less, use a smaller quant" in r.stderr
 
@@ -132,7 +132,8 @@ def test_without_ctx_the_pool_is_sized_to_the_machine(qwen_path):
     engine = LLMEngine(EngineConfig(model_path=qwen_path, cache=CacheConfig(kv_dtype="q8_0"), n_threads=2))
     try:
         assert engine.max_model_len == 32768
-        assert engine.kv_pool_summary == ("32,768 tokens (204 MiB, q8_0): 8 conversations of 4k, "
+        size = "204 MiB" if engine.runner.name == "llamacpp" else "198 MiB"  # 6,528 or 6,336 bytes a token
+        assert engine.kv_pool_summary == (f"32,768 tokens ({size}, q8_0): 8 conversations of 4k, "
                                           "or 1 of 32k")
     finally:
         engine.close()

@@ -33,7 +33,7 @@ def field(reader: GGUFReader, key: str):
 def make_engine(path: Path) -> LLMEngine:
     # One thread: these models are too small to gain from two, and two threads that spin-wait
     # for each other take 30x longer (over 30 s here) when another process holds a core.
-    return LLMEngine(EngineConfig(model_path=path, cache=CacheConfig(n_ctx=512), n_threads=1))
+    return LLMEngine(EngineConfig(model_path=path, cache=CacheConfig(n_ctx=512), n_threads=1, runner="llamacpp"))
 
 
 @pytest.fixture(scope="module", params=ARCHS)

@@ -91,6 +91,7 @@ def key_smoothing(weights: GGUFWeights, c, alpha: float = 0.5) -> list[torch.Ten
 
 class TorchRunner:
     name = "torch"
+    chosen_because: str | None = None  # set by engine.load_runner when --runner auto chose it
 
     def __init__(self, config: EngineConfig, device: torch.device | None = None, native: bool | None = None,
                  scheme: str | None = None, graphs: bool | None = None):
