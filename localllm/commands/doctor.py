@@ -120,7 +120,7 @@ def _placement(report: dict) -> tuple[str, str, int | None]:
     return "CPU", "RAM", _ram_available(report)
 
 
-def _auto_runner(report: dict, arch: str | None, path) -> tuple[str, str, bool]:
+def _auto_runner(report: dict, arch: str | None, path, split_count: int = 1) -> tuple[str, str, bool]:
     """The runner `--runner auto` gives a model of ``arch`` at ``path`` here, why, and whether
     on the GPU (engine.choose_runner, on what this report already probed: the native kernels'
     tier as loaded, LOCALLLM_NATIVE_ISA included)."""
@@ -136,8 +136,10 @@ def _auto_runner(report: dict, arch: str | None, path) -> tuple[str, str, bool]:
         graphs = triton_attention.available()
     use = report["native_kernel_use"]
     tier = use.get("isa") if isinstance(use, dict) and use.get("usable") else None
-    not_in_place = formats_not_in_place(path) if cuda is None and tier in CPU_LEADING_TIERS else ()
-    runner, why = choose_runner(arch, AutoProbe(cuda, graphs, bool(llama.get("gpu_offload")), tier), not_in_place)
+    leads = cuda is None and tier in CPU_LEADING_TIERS and split_count == 1
+    not_in_place = formats_not_in_place(path) if leads else ()
+    probe = AutoProbe(cuda, graphs, bool(llama.get("gpu_offload")), tier)
+    runner, why = choose_runner(arch, probe, not_in_place, split_count)
     return runner, why, runner == "torch" and cuda is not None
 
 
@@ -164,7 +166,7 @@ def _models(report: dict) -> list[dict]:
             "trained_context": info.context_length, "sliding_window": info.sliding_window,
             "file_bytes": info.size_bytes, "weights_bytes": info.tensor_bytes, "kv_bytes_per_token": kv,
         })
-        runner, why, on_gpu = _auto_runner(report, info.architecture, model.path)
+        runner, why, on_gpu = _auto_runner(report, info.architecture, model.path, info.split_count)
         entry.update({"runner": runner, "runner_why": why})
         where, kind, budget = _placement(report)
         if runner == "torch":  # on the CPU or on CUDA, never where llama.cpp offloads

@@ -127,9 +127,11 @@ def probe_auto() -> AutoProbe:
     return AutoProbe(cuda, graphs, llama_gpu, cpu_tier())
 
 
-def choose_runner(arch: str | None, probe: AutoProbe, not_in_place: list[str] | tuple = ()) -> tuple[str, str]:
+def choose_runner(arch: str | None, probe: AutoProbe, not_in_place: list[str] | tuple = (),
+                  split_count: int = 1) -> tuple[str, str]:
     """``--runner auto``: (runner, why) for a model of architecture ``arch`` whose file holds
-    ``not_in_place`` (formats_not_in_place).
+    ``not_in_place`` (formats_not_in_place), in ``split_count`` files (the torch runner reads
+    one).
 
     On an NVIDIA GPU that torch can use, when this llama.cpp has no GPU offload (what `pipx
     install localllm` builds), the torch runner on CUDA, for the architectures it has a model
@@ -142,6 +144,8 @@ def choose_runner(arch: str | None, probe: AutoProbe, not_in_place: list[str] | 
     from localllm.runners.torch import models
 
     supported = arch is not None and models.supported(arch)
+    if split_count > 1 and (probe.cuda is not None or probe.cpu_tier in CPU_LEADING_TIERS):
+        return "llamacpp", f"llama.cpp: the torch runner does not read a model split into {split_count} files"
     if probe.cuda is None:
         return _choose_on_cpu(arch, supported, probe.cpu_tier, not_in_place)
     if probe.llama_gpu:
@@ -177,14 +181,15 @@ def load_runner(config: EngineConfig) -> ModelRunner:
     name, why = config.runner, None
     if name == "auto":
         probe = probe_auto()
-        arch, not_in_place = None, ()
+        arch, not_in_place, split_count = None, (), 1
         if probe.cuda is not None or probe.cpu_tier in CPU_LEADING_TIERS:
             from localllm.gguf import read_info
 
-            arch = read_info(Path(config.model_path)).architecture
-            if probe.cuda is None:
+            info = read_info(Path(config.model_path))
+            arch, split_count = info.architecture, info.split_count
+            if probe.cuda is None and split_count == 1:
                 not_in_place = formats_not_in_place(config.model_path)
-        name, why = choose_runner(arch, probe, not_in_place)
+        name, why = choose_runner(arch, probe, not_in_place, split_count)
         chose = probe.cuda is not None or probe.cpu_tier in CPU_LEADING_TIERS
         (log.info if chose else log.debug)("%s: %s", Path(config.model_path).name, why)
     runner = _load_named(config, name)

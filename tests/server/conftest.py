@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -57,6 +58,25 @@ def _wait_healthy(server: LiveServer) -> None:
         time.sleep(0.25)
     server.process.kill()
     pytest.fail(f"localllm serve did not answer /health within {START_TIMEOUT_S} s:\n{server.log()}")
+
+
+def start_serve(path: Path, home: Path, log_path: Path, *args: str) -> LiveServer:
+    """A `localllm serve --model path` of its own, with LOCALLLM_HOME=home (its prefix cache),
+    appending to log_path, answering /health; stop it with stop_serve."""
+    port = _free_port()
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "localllm.cli", "serve", "--model", str(path), "--port", str(port),
+             "--threads", "2", *args],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LOCALLLM_HOME": str(home)})
+    server = LiveServer(port=port, process=process, log_path=log_path, model_path=path)
+    _wait_healthy(server)
+    return server
+
+
+def stop_serve(server: LiveServer) -> None:
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=STOP_TIMEOUT_S) == 0, server.log()[-3000:]
 
 
 SERVER_CTX = 4096  # the tests' server holds this many tokens of KV (its default would depend on free memory)

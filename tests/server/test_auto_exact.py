@@ -7,15 +7,12 @@ promises; the banner's Runner line must agree with the rule either way."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 
 import httpx
 import pytest
-from conftest import STOP_TIMEOUT_S, LiveServer, _free_port, _wait_healthy
+from conftest import LiveServer, start_serve
+from conftest import stop_serve as stop
 
 pytest.importorskip("torch")
 
@@ -32,20 +29,7 @@ def _rule(path) -> tuple[str, str]:
 
 
 def start(path, home, log_path, *extra) -> LiveServer:
-    port = _free_port()
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "localllm.cli", "serve", "--model", str(path), "--port", str(port),
-             "--threads", "2", "--ctx", "4096", *extra],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LOCALLLM_HOME": str(home)})
-    server = LiveServer(port=port, process=process, log_path=log_path, model_path=path)
-    _wait_healthy(server)
-    return server
-
-
-def stop(server: LiveServer) -> None:
-    server.process.send_signal(signal.SIGTERM)
-    assert server.process.wait(timeout=STOP_TIMEOUT_S) == 0, server.log()[-3000:]
+    return start_serve(path, home, log_path, "--ctx", "4096", *extra)
 
 
 def complete(server: LiveServer, **body) -> dict:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import httpx
 import pytest
-from conftest import STOP_TIMEOUT_S, LiveServer, _free_port, _wait_healthy
+from conftest import LiveServer, start_serve
+from conftest import stop_serve as stop
 from openai import OpenAI
 
 SYSTEM = ("You answer questions about this module.\n\n"
@@ -21,20 +21,7 @@ SYSTEM = ("You answer questions about this module.\n\n"
 
 
 def start(qwen_path, home, log_path) -> LiveServer:
-    port = _free_port()
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "localllm.cli", "serve", "--model", str(qwen_path), "--port", str(port),
-             "--threads", "2", "--ctx", "2048"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LOCALLLM_HOME": str(home)})
-    server = LiveServer(port=port, process=process, log_path=log_path, model_path=qwen_path)
-    _wait_healthy(server)
-    return server
-
-
-def stop(server: LiveServer) -> None:
-    server.process.send_signal(signal.SIGTERM)
-    assert server.process.wait(timeout=STOP_TIMEOUT_S) == 0, server.log()[-3000:]
+    return start_serve(qwen_path, home, log_path, "--ctx", "2048")
 
 
 def ask(server: LiveServer):

@@ -126,3 +126,11 @@ def test_a_file_of_float_matrices_is_not_read_in_blocks(dtype, tmp_path):
 def test_both_test_models_are_read_in_place(qwen_path, gemma_path):
     assert engine.formats_not_in_place(qwen_path) == []
     assert engine.formats_not_in_place(gemma_path) == []
+
+
+@pytest.mark.parametrize("probe", [AutoProbe(None, False, False, "avx512vnni"), AutoProbe(GPU, True, False)])
+def test_a_split_model_stays_on_llama_cpp_where_torch_would_lead(probe):
+    assert choose_runner("qwen2", probe, [], split_count=3) == (
+        "llamacpp", "llama.cpp: the torch runner does not read a model split into 3 files")
+    assert choose_runner("qwen2", AutoProbe(None, False, False, "avx2"), [], split_count=3)[1].endswith(
+        "and this CPU's are avx2")
