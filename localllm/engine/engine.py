@@ -176,8 +176,9 @@ def _choose_on_cpu(arch: str | None, supported: bool, tier: str | None,
 
 def load_runner(config: EngineConfig) -> ModelRunner:
     """The runner ``config.runner`` names; "auto" as choose_runner decides (one line says which
-    and why: info where a GPU or the CPU's tier made it a choice). "torch" on an architecture it
-    has no model for falls back to llama.cpp with one info line."""
+    and why: info where a GPU made it a choice, debug on the CPU; the runner keeps the reason as
+    ``chosen_because``). "torch" on an architecture it has no model for falls back to llama.cpp
+    with one info line."""
     name, why = config.runner, None
     if name == "auto":
         probe = probe_auto()
@@ -190,8 +191,9 @@ def load_runner(config: EngineConfig) -> ModelRunner:
             if probe.cuda is None and split_count == 1:
                 not_in_place = formats_not_in_place(config.model_path)
         name, why = choose_runner(arch, probe, not_in_place, split_count)
-        chose = probe.cuda is not None or probe.cpu_tier in CPU_LEADING_TIERS
-        (log.info if chose else log.debug)("%s: %s", Path(config.model_path).name, why)
+        # Said where a GPU made it a choice; on the CPU `serve` and `doctor` print the reason
+        # (a command's stderr stays its own: `run` prints one timing line there).
+        (log.info if probe.cuda is not None else log.debug)("%s: %s", Path(config.model_path).name, why)
     runner = _load_named(config, name)
     if why is not None and runner.name == name:
         runner.chosen_because = why
