@@ -228,6 +228,7 @@ AVX2_TARGET static inline __attribute__((always_inline)) void kq_row_avx2(
     for (int i = 0; i < TILE_X; i++) acc[0][i] = acc[1][i] = accm[i] = _mm256_setzero_ps();
     for (int s = 0; s < nsb; s++) {
         const uint8_t *b = row + (size_t)s * sb;
+        for (int o = 0; o < sb; o += 64) LM_PREFETCH(b + o);
         uint32_t sm[4] = {0};
         if (!six) k4_scales(b + 4, sm);
         const uint8_t *s8 = (const uint8_t *)sm;

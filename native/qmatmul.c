@@ -169,6 +169,8 @@ AVX2_TARGET static inline float hsum(__m256 v) { /* lm_sum8's order */
         for (int i = 0; i < 4; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();                        \
         /* two blocks a turn, so each parity's accumulators are named, not indexed (registers) */   \
         for (int b = 0; b < nb; b += 2) {                                                               \
+            LM_PREFETCH(row + (size_t)b * bb);                                                          \
+            LM_PREFETCH(row + (size_t)b * bb + 64);                                                     \
             NAME##_block(wtype, row + (size_t)b * bb, b, nb, xq, xd, xc, mc, acc[0]);                  \
             if (b + 1 < nb) NAME##_block(wtype, row + (size_t)(b + 1) * bb, b + 1, nb, xq, xd, xc, mc, acc[1]); \
         }                                                                                               \
@@ -238,6 +240,7 @@ AVX2_TARGET static inline void pair_unsigned_avx2(int wtype, const uint8_t *pair
         for (int i = 0; i < 4; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();                            \
         for (int b = 0; b < nb; b += 2) {                                                               \
             const uint8_t *pair = row + (size_t)(b / 2) * pb;                                           \
+            LM_PREFETCH(pair);                                                                          \
             uint16_t h[2];                                                                              \
             memcpy(h, pair, 4);                                                                         \
             const __m256 d0 = _mm256_set1_ps(_cvtsh_ss(h[0])), d1 = _mm256_set1_ps(_cvtsh_ss(h[1]));    \
