@@ -45,9 +45,9 @@ static inline float lm_half_to_float(uint16_t h) {
 #define LM_ENOMEM 2
 #define LM_MAX_THREADS 256
 
-#define LM_ABI_VERSION 7 /* 3: lm_paged_attention takes kv_type and the q8_0 scales; 4: lm_repack, lm_cpu_level; 5: rows.c;
+#define LM_ABI_VERSION 8 /* 3: lm_paged_attention takes kv_type and the q8_0 scales; 4: lm_repack, lm_cpu_level; 5: rows.c;
                             6: isa.c (lm_isa, lm_set_isa) in place of lm_cpu_level; 7: kquant.c (Q4_K, Q5_K,
-                            Q6_K on every tier), tier 2 is AVX-VNNI */
+                            Q6_K on every tier), tier 2 is AVX-VNNI; 8: Q5_0X, lm_repack takes the layout made */
 
 /* What a KV pool holds (lm_paged_attention's kv_type). */
 #define LM_KV_F32 0
@@ -63,6 +63,7 @@ static inline float lm_half_to_float(uint16_t h) {
 #define LM_Q6_K 14
 #define LM_Q5_0P 106 /* Q5_0 repacked in pairs of blocks for AVX-512 (qmatmul.c); not a GGML type */
 #define LM_Q4_0P 102 /* Q4_0 likewise */
+#define LM_Q5_0X 116 /* Q5_0 in pairs with the high bits laid out for 256-bit vectors (qmatmul.c) */
 
 typedef void (*lm_task_fn)(void *arg, int part, int parts);
 void lm_pool_run(lm_task_fn fn, void *arg, int parts);
@@ -83,7 +84,7 @@ int lm_qmatmul_k(const float *x, int M, int K, const uint8_t *w, int wtype, int 
 int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N, float *y, int n_threads,
                int force_scalar);
 int lm_dequantize(const uint8_t *w, int wtype, int N, int K, float *out);
-int lm_repack(const uint8_t *w, int wtype, int N, int K, uint8_t *out, int reverse);
+int lm_repack(const uint8_t *w, int packed, int N, int K, uint8_t *out, int reverse);
 
 int lm_rms_norm(const float *x, const float *w, float *y, int rows, int n, float eps);
 int lm_rope(const float *x, float *out, const float *cs, const float *sn, int rows, int heads, int hd, int neox);

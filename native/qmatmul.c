@@ -40,6 +40,7 @@ int lm_block_bytes(int wtype) {
     case LM_Q8_0: return 34;
     case LM_Q5_0P: return 22; /* a pair of blocks in 44 bytes */
     case LM_Q4_0P: return 18; /* a pair of blocks in 36 bytes */
+    case LM_Q5_0X: return 22;
     default: return 0;
     }
 }
@@ -211,18 +212,28 @@ AVX2_TARGET static void unsigned_corrections(int offset, const qblock_t *xq, siz
 ROWS_LOOP(rows_avx2, AVX2_TARGET, UNPACK_SIGNED, DOT_SIGNED)
 ROWS_LOOP(rows_vnni, VNNI_TARGET, UNPACK_UNSIGNED, DOT_UNSIGNED)
 
-/* Q4_0 / Q5_0 in pairs of blocks (LM_Q4_0P / LM_Q5_0P, laid out below for AVX-512) on AVX2 and
- * AVX-VNNI: a pair's 32 bytes of nibbles unpack into both blocks' unsigned values in four
- * instructions (each block alone takes four), Q5_0's high bits as bytes_from_bits gives them,
- * and the products are the unsigned ones from -offset times x's sums, each block into its
- * parity's accumulator: the same bits as the file's blocks. */
+/* Q4_0 / Q5_0 in pairs of blocks (LM_Q4_0P / LM_Q5_0P, laid out below for AVX-512; LM_Q5_0X) on
+ * AVX2 and AVX-VNNI: a pair's 32 bytes of nibbles unpack into both blocks' unsigned values in
+ * four instructions (each block alone takes four), and the products are the unsigned ones from
+ * -offset times x's sums, each block into its parity's accumulator: the same bits as the
+ * file's blocks. Q5_0's 64 high bits: in LM_Q5_0P's order (bit i: lane i) bytes_from_bits
+ * spreads them, eight instructions a pair; LM_Q5_0X, the layout these tiers are given, holds
+ * lane 8L + k (lanes 32.. block 1's) in bit L of byte k, so that one broadcast of the 8 bytes
+ * and a shift of each 64-bit quarter by its own count bring every lane's bit to bit 4 of its
+ * byte: five instructions. */
 AVX2_TARGET static inline void pair_unsigned_avx2(int wtype, const uint8_t *pair, __m256i *u0, __m256i *u1) {
-    const int five = wtype == LM_Q5_0P;
+    const int five = wtype == LM_Q5_0P || wtype == LM_Q5_0X;
     const __m256i nib = _mm256_loadu_si256((const __m256i *)(pair + 4 + (five ? 8 : 0))), m = _mm256_set1_epi8(0x0f);
     *u0 = _mm256_and_si256(nib, m);
     *u1 = _mm256_and_si256(_mm256_srli_epi16(nib, 4), m);
-    if (five) { /* 64 high bits after the scales: block 0's 32, then block 1's */
-        const __m256i h = _mm256_set1_epi8(0x10);
+    const __m256i h = _mm256_set1_epi8(0x10);
+    if (wtype == LM_Q5_0X) { /* quarter L, byte k: bit L (block 0) left by 4 - L, bit 4 + L (block 1) right by L */
+        int64_t bits;
+        memcpy(&bits, pair + 4, 8);
+        const __m256i hb = _mm256_set1_epi64x(bits);
+        *u0 = _mm256_or_si256(*u0, _mm256_and_si256(_mm256_sllv_epi64(hb, _mm256_setr_epi64x(4, 3, 2, 1)), h));
+        *u1 = _mm256_or_si256(*u1, _mm256_and_si256(_mm256_srlv_epi64(hb, _mm256_setr_epi64x(0, 1, 2, 3)), h));
+    } else if (five) { /* 64 high bits after the scales: block 0's 32, then block 1's */
         *u0 = _mm256_or_si256(*u0, _mm256_and_si256(bytes_from_bits(pair + 4), h));
         *u1 = _mm256_or_si256(*u1, _mm256_and_si256(bytes_from_bits(pair + 8), h));
     }
@@ -235,15 +246,16 @@ AVX2_TARGET static inline void pair_unsigned_avx2(int wtype, const uint8_t *pair
     TARGET static inline __attribute__((always_inline)) void NAME##_row(                               \
         int wtype, const uint8_t *row, int nb, const qblock_t *xq, const float *xd, const __m256i *xc, \
         int mc, float *y, int N, int n) {                                                               \
-        const int pb = wtype == LM_Q5_0P ? 44 : 36;                                                     \
+        const int pb = wtype == LM_Q4_0P ? 36 : 44;                                                     \
         __m256 acc0[4], acc1[4];                                                                        \
         for (int i = 0; i < 4; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();                            \
         for (int b = 0; b < nb; b += 2) {                                                               \
             const uint8_t *pair = row + (size_t)(b / 2) * pb;                                           \
             LM_PREFETCH(pair);                                                                          \
-            uint16_t h[2];                                                                              \
-            memcpy(h, pair, 4);                                                                         \
-            const __m256 d0 = _mm256_set1_ps(_cvtsh_ss(h[0])), d1 = _mm256_set1_ps(_cvtsh_ss(h[1]));    \
+            int32_t h2;                                                                                 \
+            memcpy(&h2, pair, 4); /* both scales at once: d0 d1 d0 d1 ..., then each in every lane */   \
+            const __m256 dd = _mm256_cvtph_ps(_mm_set1_epi32(h2));                                      \
+            const __m256 d0 = _mm256_moveldup_ps(dd), d1 = _mm256_movehdup_ps(dd);                      \
             __m256i u0, u1;                                                                             \
             pair_unsigned_avx2(wtype, pair, &u0, &u1);                                                  \
             for (int i = 0; i < mc; i++) {                                                              \
@@ -592,9 +604,18 @@ static void mm_part(void *p, int part, int parts) {
         rows_avx2(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, NULL, J->M, J->y, J->N);
         return;
     }
-    if (J->wtype == LM_Q5_0P || J->wtype == LM_Q4_0P) {
-        if (J->level == LM_ISA_AVXVNNI) pairs_vnni(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, (const __m256i *)J->xp, J->M, J->y, J->N);
-        else pairs_avx2(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, (const __m256i *)J->xp, J->M, J->y, J->N);
+    if (J->wtype == LM_Q5_0P || J->wtype == LM_Q4_0P || J->wtype == LM_Q5_0X) {
+        /* each layout a constant, so the compiler makes a loop for each */
+#define PAIRS(FN, T) FN(T, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, (const __m256i *)J->xp, J->M, J->y, J->N)
+#define PAIRS_OF(FN)                                                            \
+        switch (J->wtype) {                                                     \
+        case LM_Q5_0X: PAIRS(FN, LM_Q5_0X); break;                              \
+        case LM_Q5_0P: PAIRS(FN, LM_Q5_0P); break;                              \
+        default: PAIRS(FN, LM_Q4_0P);                                           \
+        }
+        if (J->level == LM_ISA_AVXVNNI) PAIRS_OF(pairs_vnni) else PAIRS_OF(pairs_avx2)
+#undef PAIRS_OF
+#undef PAIRS
         return;
     }
     if (J->level == LM_ISA_AVXVNNI) {
@@ -616,9 +637,10 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
         return lm_qmatmul_k(x, M, K, w, wtype, N, y, n_threads, force_scalar ? LM_ISA_SCALAR : lm_isa());
     const int bb = lm_block_bytes(wtype);
     if (bb == 0 || K % QK != 0 || M < 0 || N < 0) return LM_EINVAL;
-    const int level = force_scalar ? LM_ISA_SCALAR : lm_isa();
+    int level = force_scalar ? LM_ISA_SCALAR : lm_isa();
     /* pairs of blocks, read by the vector loops (lm_repack makes them), not the portable one */
-    const int in_pairs = wtype == LM_Q5_0P || wtype == LM_Q4_0P;
+    const int in_pairs = wtype == LM_Q5_0P || wtype == LM_Q4_0P || wtype == LM_Q5_0X;
+    if (wtype == LM_Q5_0X && level == LM_ISA_AVX512VNNI) level = LM_ISA_AVX2; /* the 256-bit layout's loop */
     if (in_pairs && (level < LM_ISA_AVX2 || K % (2 * QK) != 0)) return LM_EINVAL;
     const int nb = K / QK;
     qblock_t *xq = malloc(sizeof(qblock_t) * (size_t)M * nb + 1);
@@ -654,11 +676,26 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
     return J.failed ? LM_ENOMEM : LM_OK;
 }
 
-/* Q4_0 / Q5_0 rows (K a multiple of 64) in pairs (Q4_0P / Q5_0P, see above), or back with
- * reverse: the same bytes rearranged, so a file's blocks can be kept either way. */
-int lm_repack(const uint8_t *w, int wtype, int N, int K, uint8_t *out, int reverse) {
-    if ((wtype != LM_Q5_0 && wtype != LM_Q4_0) || K % (2 * QK) != 0 || N < 0) return LM_EINVAL;
-    const int five = wtype == LM_Q5_0, bb = five ? 22 : 18, qs_at = five ? 6 : 2, nib_at = five ? 12 : 4;
+/* The 64 high bits of a Q5_0 pair (bit i: lane i, lanes 32.. block 1's) in LM_Q5_0X's order
+ * (lane 8L + k in bit L of byte k), or back: the transpose of an 8 x 8 bit matrix. */
+static uint64_t transpose_bits(uint64_t v, int reverse) {
+    uint64_t out = 0;
+    for (int L = 0; L < 8; L++)
+        for (int k = 0; k < 8; k++) {
+            const int lane = 8 * L + k, at = 8 * k + L; /* the lane's bit in LM_Q5_0X */
+            if (reverse) out |= ((v >> at) & 1) << lane;
+            else out |= ((v >> lane) & 1) << at;
+        }
+    return out;
+}
+
+/* Q4_0 / Q5_0 rows (K a multiple of 64) in pairs (``packed``: Q4_0P, Q5_0P or Q5_0X, see
+ * above), or back with reverse: the same bytes rearranged, so a file's blocks can be kept
+ * either way. */
+int lm_repack(const uint8_t *w, int packed, int N, int K, uint8_t *out, int reverse) {
+    if ((packed != LM_Q5_0P && packed != LM_Q4_0P && packed != LM_Q5_0X) || K % (2 * QK) != 0 || N < 0)
+        return LM_EINVAL;
+    const int five = packed != LM_Q4_0P, bb = five ? 22 : 18, qs_at = five ? 6 : 2, nib_at = five ? 12 : 4;
     const size_t pairs = (size_t)N * (K / (2 * QK));
     for (size_t p = 0; p < pairs; p++) {
         const uint8_t *in = w + p * 2 * bb;
@@ -674,6 +711,7 @@ int lm_repack(const uint8_t *w, int wtype, int N, int K, uint8_t *out, int rever
                     memcpy(&qh, b[k] + 2, 4);
                     hb |= (uint64_t)qh << (32 * k); /* Q5_0's bit j is weight j's high bit */
                 }
+                if (packed == LM_Q5_0X) hb = transpose_bits(hb, 0);
                 memcpy(o + 4, &hb, 8);
             }
             for (int i = 0; i < 32; i++) { /* weight i of a block: byte i % 16, nibble i / 16 */
@@ -689,6 +727,7 @@ int lm_repack(const uint8_t *w, int wtype, int N, int K, uint8_t *out, int rever
                 if (five) {
                     uint64_t hb;
                     memcpy(&hb, in + 4, 8);
+                    if (packed == LM_Q5_0X) hb = transpose_bits(hb, 1);
                     const uint32_t qh = (uint32_t)(hb >> (32 * k));
                     memcpy(b[k] + 2, &qh, 4);
                 }

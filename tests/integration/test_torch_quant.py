@@ -133,7 +133,7 @@ def test_gguf_blocks_scheme_reads_the_files_blocks_in_place(qwen_path, tmp_path)
     assert kinds == kinds2 == {"q": "BlockLinear", "gate": "BlockLinear", "down": kinds["down"],
                                "q kind": kinds["q kind"]}
     # AVX2 and up: Q4_K / Q6_K read in place too, Q5_0 in pairs
-    assert kinds["q kind"] == ("Q5_0P" if native.vector_loops() else "Q5_0")
+    assert kinds["q kind"] == (native.pairs_kind("Q5_0") if native.vector_loops() else "Q5_0")
     if native.vector_loops():
         assert kinds["down"] == "BlockLinear"
     else:  # the scalar tier: Q4_K / Q6_K as the default scheme's layers

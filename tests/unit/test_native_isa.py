@@ -43,10 +43,11 @@ for kind in ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
     got, scalar = native.qmatmul(xk, blocks, kind), native.qmatmul(xk, blocks, kind, force_scalar=True)
     out["mm"][kind] = float((got - scalar).abs().max())
     out["y"][kind] = got.flatten().tolist()
-    if kind in native.PACKED_FROM and native.vector_loops():  # pairs (an even count): the file's blocks' bits
+    for packed in {"Q4_0": ["Q4_0P"], "Q5_0": ["Q5_0P", "Q5_0X"]}.get(kind, []) if native.vector_loops() else []:
+        # pairs (an even count), in every layout on every tier: the file's blocks' bits
         even, xe = blocks[:, :22 * native.BLOCK_BYTES[kind]].contiguous(), xk[:, :704].contiguous()
-        pairs = native.qmatmul(xe, native.repack(even, kind), kind + "P")
-        out["mm"][kind + "P"] = float((pairs - native.qmatmul(xe, even, kind, force_scalar=True)).abs().max())
+        pairs = native.qmatmul(xe, native.repack(even, kind, packed=packed), packed)
+        out["mm"][packed] = float((pairs - native.qmatmul(xe, even, kind, force_scalar=True)).abs().max())
 g = torch.Generator().manual_seed(1)
 pool = KVPool(1, num_blocks=8, block_size=16, n_kv_heads=2, head_dim=64, dtype=torch.float16)
 table = list(range(8))[::-1]
@@ -80,7 +81,7 @@ def test_every_tier_the_cpu_has_runs_when_forced_and_computes_what_the_portable_
         assert report["wide"] == (tier == "avx512vnni")
         assert report["k_quants"] == (tier != "scalar")
         # The same bits as the portable loop, in the same process and across processes.
-        kinds = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"] + (["Q4_0P", "Q5_0P"] if tier != "scalar" else [])
+        kinds = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"] + (["Q4_0P", "Q5_0P", "Q5_0X"] if tier != "scalar" else [])
         assert report["mm"] == dict.fromkeys(kinds, 0.0), tier
         assert report["y"] == reports["scalar"]["y"], tier
         assert report["attn_same_among_drafts"], tier

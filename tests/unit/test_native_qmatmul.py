@@ -125,20 +125,34 @@ def test_k_quants_are_the_product_of_q8k_activations_and_the_files_weights(kind,
 
 
 @vector
-@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0"])
-def test_blocks_in_pairs_give_the_same_bits_and_pack_back(kind):
+@pytest.mark.parametrize("kind,packed", [("Q4_0", "Q4_0P"), ("Q5_0", "Q5_0P"), ("Q5_0", "Q5_0X")])
+def test_blocks_in_pairs_give_the_same_bits_and_pack_back(kind, packed):
     rng = np.random.default_rng(5)
     w = rng.standard_normal((90, 384)).astype(np.float32)
     blocks = blocks_of(w, kind)
-    pairs = native.repack(blocks, kind)
-    assert not torch.equal(pairs, blocks) and torch.equal(native.repack(pairs, kind, reverse=True), blocks)
+    pairs = native.repack(blocks, kind, packed=packed)
+    assert not torch.equal(pairs, blocks)
+    assert torch.equal(native.repack(pairs, kind, reverse=True, packed=packed), blocks)
     for m in (1, 2, 4, 5, 12):
         x = torch.from_numpy(rng.standard_normal((m, 384)).astype(np.float32))
         for threads in (1, 2):
-            assert torch.equal(native.qmatmul(x, pairs, kind + "P", n_threads=threads),
+            assert torch.equal(native.qmatmul(x, pairs, packed, n_threads=threads),
                                native.qmatmul(x, blocks, kind, n_threads=threads))
     layer = BlockLinear(blocks, kind)
-    assert layer.kind == kind + "P" and torch.equal(layer.tensors()["blocks"], blocks)
+    assert layer.kind == native.pairs_kind(kind) and torch.equal(layer.tensors()["blocks"], blocks)
+
+
+@vector
+def test_q5_0_pair_layouts_differ_only_in_the_order_of_the_high_bits():
+    blocks = blocks_of(np.random.default_rng(6).standard_normal((8, 128)).astype(np.float32), "Q5_0")
+    wide, narrow = (native.repack(blocks, "Q5_0", packed=p).view(-1, 44) for p in ("Q5_0P", "Q5_0X"))
+    assert torch.equal(wide[:, :4], narrow[:, :4]) and torch.equal(wide[:, 12:], narrow[:, 12:])
+    assert not torch.equal(wide[:, 4:12], narrow[:, 4:12])
+    bits = lambda t: np.unpackbits(t.numpy(), axis=1, bitorder="little")  # (pairs, 64): bit i of the 8 bytes
+    lane = np.arange(64)
+    assert (bits(narrow[:, 4:12])[:, 8 * (lane % 8) + lane // 8] == bits(wide[:, 4:12])[:, lane]).all()
+    assert native.pairs_kind("Q5_0") == ("Q5_0P" if native.wide_kernels() else "Q5_0X")
+    assert native.pairs_kind("Q8_0") is None
 
 
 @vector

@@ -17,21 +17,22 @@ import torch
 
 from localllm.errors import UsageError
 
-ABI_VERSION = 7  # native/localllm_native.h's LM_ABI_VERSION
+ABI_VERSION = 8  # native/localllm_native.h's LM_ABI_VERSION
 # What a KV pool holds, as native/attention.c numbers it (LM_KV_*): int8 is q8_0, with scales.
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
 REBUILD = "rebuild localllm's native kernels with `pip install -e .` (a C compiler is needed)"
 # GGUF block formats the native matmul reads in place (GGML's type numbers).
 BLOCK_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8}
-BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q4_0P": 18, "Q5_0P": 22}
+BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q4_0P": 18, "Q5_0P": 22, "Q5_0X": 22}
 # K-quant super-blocks (256 weights) the matmul reads in place (native/kquant.c) where
 # ``vector_loops()``.
 K_TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 # Layouts of our own the matmul also reads: "Q4_0P" / "Q5_0P" are Q4_0 / Q5_0 with each pair of blocks
-# rearranged (native/qmatmul.c; ``repack`` makes it where ``vector_loops()``).
-PACKED_TYPES = {"Q4_0P": 102, "Q5_0P": 106}
-PACKED_FROM = {"Q4_0": "Q4_0P", "Q5_0": "Q5_0P"}
+# rearranged (native/qmatmul.c; ``repack`` makes it where ``vector_loops()``); "Q5_0X" is Q5_0's
+# pairs with the high bits in the order the 256-bit loops unpack fastest (``pairs_kind``).
+PACKED_TYPES = {"Q4_0P": 102, "Q5_0P": 106, "Q5_0X": 116}
+UNPACKED = {"Q4_0P": "Q4_0", "Q5_0P": "Q5_0", "Q5_0X": "Q5_0"}
 _ERRORS = {1: "invalid arguments", 2: "out of memory"}
 # Instruction-set tiers, lowest first, as native/isa.c numbers them (LM_ISA_*): AVX-VNNI is AVX2 with
 # the 256-bit VEX vpdpbusd of Intel's laptop chips (a CPU with AVX-512 VNNI may lack it).
@@ -258,14 +259,27 @@ def isa_detected() -> str | None:
     return None if lib is None else _ISA_NAMES[lib.lm_isa_detected()]
 
 
-def repack(blocks: torch.Tensor, kind: str, reverse: bool = False) -> torch.Tensor:
+def pairs_kind(kind: str) -> str | None:
+    """The layout in pairs this tier's loops read ``kind``'s blocks from: "Q4_0P" for Q4_0;
+    for Q5_0 "Q5_0P" with the AVX-512 loops, "Q5_0X" with the 256-bit ones; None for the
+    other kinds (kept as the file's blocks)."""
+    if kind == "Q4_0":
+        return "Q4_0P"
+    if kind == "Q5_0":
+        return "Q5_0P" if wide_kernels() else "Q5_0X"
+    return None
+
+
+def repack(blocks: torch.Tensor, kind: str, reverse: bool = False, packed: str | None = None) -> torch.Tensor:
     """A Q4_0 or Q5_0 matrix's blocks (N, K / 32 * block bytes), K a multiple of 64, in the
-    "Q4_0P" / "Q5_0P" layout the AVX-512 matmul unpacks fastest (the same bytes rearranged: the
-    same products, bit for bit), or back with ``reverse``."""
+    layout ``packed`` of pairs (default: ``pairs_kind(kind)``, the one this tier unpacks
+    fastest; the same bytes rearranged: the same products, bit for bit), or back from it with
+    ``reverse``."""
+    packed = packed or pairs_kind(kind)
     out = torch.empty_like(blocks)
     n, row = blocks.shape
-    rc = _required().lm_repack(blocks.contiguous().data_ptr(), BLOCK_TYPES[kind], n, row * 32 // BLOCK_BYTES[kind],
-                               out.data_ptr(), int(reverse))
+    rc = _required().lm_repack(blocks.contiguous().data_ptr(), PACKED_TYPES[packed], n,
+                               row * 32 // BLOCK_BYTES[kind], out.data_ptr(), int(reverse))
     if rc:
         raise ValueError(f"{kind} blocks of shape {tuple(blocks.shape)} cannot be repacked in pairs")
     return out

@@ -156,7 +156,7 @@ class BlockLinear:
     to 8-bit blocks (Q8_K super-blocks for the K-quants), integer sums per block, as llama.cpp
     computes it. Takes and returns float32.
 
-    Where the CPU has AVX2, Q4_0 / Q5_0 blocks are kept rearranged in pairs ("Q4_0P" / "Q5_0P",
+    Where the CPU has AVX2, Q4_0 / Q5_0 blocks are kept rearranged in pairs ("Q4_0P" / "Q5_0P" / "Q5_0X",
     which the kernels unpack in a fraction of the instructions: the same products, bit for
     bit); ``tensors()`` gives them back as the file's blocks."""
 
@@ -167,9 +167,9 @@ class BlockLinear:
             self.in_features = blocks.shape[1] // native.SUPER_BYTES[kind] * 256
         else:
             self.in_features = blocks.shape[1] * GROUP // native.BLOCK_BYTES[kind]
-        packed = native.PACKED_FROM.get(kind)
-        if packed and self.in_features % (2 * GROUP) == 0 and native.vector_loops():
-            blocks, kind = native.repack(blocks.contiguous(), kind), packed
+        packed = native.pairs_kind(kind) if native.vector_loops() else None
+        if packed and self.in_features % (2 * GROUP) == 0:
+            blocks, kind = native.repack(blocks.contiguous(), kind, packed=packed), packed
         self.blocks = blocks.contiguous()  # (out, in / 32 * block bytes) uint8
         self.kind = kind
         self.bias = bias.float() if bias is not None else None
@@ -180,8 +180,8 @@ class BlockLinear:
 
         kind, blocks = self.kind, self.blocks
         if kind in native.PACKED_TYPES:
-            kind = next(k for k, v in native.PACKED_FROM.items() if v == kind)
-            blocks = native.repack(blocks, kind, reverse=True)
+            packed, kind = kind, native.UNPACKED[kind]
+            blocks = native.repack(blocks, kind, reverse=True, packed=packed)
         code = native.BLOCK_TYPES.get(kind) or native.K_TYPES[kind]
         return {"blocks": blocks, "kind": torch.tensor([code], dtype=torch.int32),
                 **({"b": self.bias} if self.bias is not None else {})}
