@@ -45,9 +45,10 @@ static inline float lm_half_to_float(uint16_t h) {
 #define LM_ENOMEM 2
 #define LM_MAX_THREADS 256
 
-#define LM_ABI_VERSION 8 /* 3: lm_paged_attention takes kv_type and the q8_0 scales; 4: lm_repack, lm_cpu_level; 5: rows.c;
+#define LM_ABI_VERSION 9 /* 3: lm_paged_attention takes kv_type and the q8_0 scales; 4: lm_repack, lm_cpu_level; 5: rows.c;
                             6: isa.c (lm_isa, lm_set_isa) in place of lm_cpu_level; 7: kquant.c (Q4_K, Q5_K,
-                            Q6_K on every tier), tier 2 is AVX-VNNI; 8: Q5_0X, lm_repack takes the layout made */
+                            Q6_K on every tier), tier 2 is AVX-VNNI; 8: Q5_0X, lm_repack takes the layout made;
+                            9: layer.c (lm_layers_forward) */
 
 /* What a KV pool holds (lm_paged_attention's kv_type). */
 #define LM_KV_F32 0
@@ -88,6 +89,7 @@ int lm_repack(const uint8_t *w, int packed, int N, int K, uint8_t *out, int reve
 
 int lm_rms_norm(const float *x, const float *w, float *y, int rows, int n, float eps);
 int lm_rope(const float *x, float *out, const float *cs, const float *sn, int rows, int heads, int hd, int neox);
+int lm_silu_mul(const float *gate, const float *up, float *out, int rows, int n, int ld_gate, int ld_up);
 
 /* Instruction-set tiers (isa.c), lowest first: the kernels run the highest one that both the
  * CPU has and lm_set_isa allows. */

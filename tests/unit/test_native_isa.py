@@ -48,6 +48,8 @@ for kind in ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
         even, xe = blocks[:, :22 * native.BLOCK_BYTES[kind]].contiguous(), xk[:, :704].contiguous()
         pairs = native.qmatmul(xe, native.repack(even, kind, packed=packed), packed)
         out["mm"][packed] = float((pairs - native.qmatmul(xe, even, kind, force_scalar=True)).abs().max())
+gate = torch.from_numpy(rng.standard_normal((3, 205)).astype(np.float32) * 8)  # the vector loop and its tail
+out["y"]["silu_mul"] = native.silu_mul(gate, gate.flip(0)).flatten().tolist()
 g = torch.Generator().manual_seed(1)
 pool = KVPool(1, num_blocks=8, block_size=16, n_kv_heads=2, head_dim=64, dtype=torch.float16)
 table = list(range(8))[::-1]

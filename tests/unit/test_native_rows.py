@@ -67,3 +67,24 @@ def test_a_views_layout_does_not_choose_the_arithmetic():
     normed = layers.rms_norm(x, torch.ones(48), 1e-6)
     for i in range(4):
         assert torch.equal(layers.rms_norm(x[i:i + 1], torch.ones(48), 1e-6), normed[i:i + 1])
+
+
+def test_silu_mul_is_within_two_ulps_of_the_exact_one_and_reads_strided_halves():
+    g = torch.cat([torch.linspace(-100, 100, 4001), torch.randn(4000, generator=torch.Generator().manual_seed(2)) * 4,
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-30, 86.5, -86.5, 89.0, -89.0, 1e4, -1e4])])
+    u = torch.randn(g.numel(), generator=torch.Generator().manual_seed(3))
+    got = native.silu_mul(g, u)
+    want = (g.double() * torch.sigmoid(g.double()) * u.double()).float()
+    ulp = torch.finfo(torch.float32).eps * want.abs()
+    # (below -86 exp(-g) is held at exp(86): a silu within 1e-34 of 0 instead of nearer)
+    assert ((got - want).abs() <= 2 * ulp + 1e-34).all()
+    assert ((got - want).abs() <= 2 * ulp)[g > -86].all()
+    # the halves of a joined gate | up output, rows read at their stride: the same bits as copies
+    joined = torch.randn(7, 2 * 96, generator=torch.Generator().manual_seed(4)) * 5
+    gate, up = joined.split(96, dim=-1)
+    assert torch.equal(native.silu_mul(gate, up), native.silu_mul(gate.contiguous(), up.contiguous()))
+    assert torch.equal(layers.silu_mul(gate, up), native.silu_mul(gate.contiguous(), up.contiguous()))
+    # each row alone: a row's result does not depend on the rows beside it
+    assert torch.equal(native.silu_mul(gate[3:4], up[3:4]), native.silu_mul(gate, up)[3:4])
+    with pytest.raises(ValueError, match="silu_mul of shapes"):
+        native.silu_mul(gate, up[:, :95])

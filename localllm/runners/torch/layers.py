@@ -23,7 +23,7 @@ def _gelu_formula(h: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _gelu_table() -> torch.Tensor:
+def gelu_table() -> torch.Tensor:
     """_gelu_formula of every float16 value, as float32, indexed by the value's 16 bits."""
     return _gelu_formula(torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)).float()
 
@@ -35,10 +35,19 @@ def gelu_ggml(x: torch.Tensor) -> torch.Tensor:
     elsewhere the formula, the same values."""
     if x.device.type == "cpu":
         bits = x.to(torch.float16).view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF)
-        y = _gelu_table().index_select(0, bits.flatten()).view(x.shape).to(x.dtype)
+        y = gelu_table().index_select(0, bits.flatten()).view(x.shape).to(x.dtype)
     else:
         y = _gelu_formula(x.to(torch.float16)).to(x.dtype)
     return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, y))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up. On the CPU in float32, native/rows.c's (the native layers of fused.py
+    call the same, and it sums in one order on every tier); torch's otherwise."""
+    kernels = _native_rows(gate, up)
+    if kernels is not None:
+        return kernels.silu_mul(gate, up)
+    return F.silu(gate) * up
 
 
 @functools.cache
@@ -128,6 +137,11 @@ class Rope:
                 c, s = torch.stack([cos, cos], -1).flatten(-2), torch.stack([-sin, sin], -1).flatten(-2)
             self._positions, self._tables = positions, (c[:, None, :], s[:, None, :])
         return self._tables
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's cos and sin (N, hd / 2) float32, contiguous (what native/rows.c reads)."""
+        self.tables(positions)
+        return self._rows
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: (N, heads, hd); positions: (N,)."""

@@ -17,7 +17,7 @@ import torch
 
 from localllm.errors import UsageError
 
-ABI_VERSION = 8  # native/localllm_native.h's LM_ABI_VERSION
+ABI_VERSION = 9  # native/localllm_native.h's LM_ABI_VERSION
 # What a KV pool holds, as native/attention.c numbers it (LM_KV_*): int8 is q8_0, with scales.
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
 REBUILD = "rebuild localllm's native kernels with `pip install -e .` (a C compiler is needed)"
@@ -93,6 +93,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, bool]:
     lib.lm_rms_norm.argtypes = [vp, vp, vp, ci, ci, ctypes.c_float]
     lib.lm_rope.restype = ci
     lib.lm_rope.argtypes = [vp, vp, vp, vp, ci, ci, ci, ci]
+    lib.lm_silu_mul.restype = ci
+    lib.lm_silu_mul.argtypes = [vp, vp, vp, ci, ci, ci, ci]
     lib.lm_pool_use_openmp.restype = None
     lib.lm_pool_use_openmp.argtypes = [vp, vp, vp]
     _force_isa(lib, os.environ.get(ISA_VARIABLE, ""))
@@ -301,6 +303,20 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> t
     n, heads, hd = x.shape
     if _required().lm_rope(x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), n, heads, hd, int(neox)):
         raise ValueError(f"rope of heads of {hd}")
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """native/rows.c: silu(gate) * up for float32 (..., n) tensors of one shape, rows of each
+    read at their stride (the halves of a joined gate | up output are not copied)."""
+    n = gate.shape[-1]
+    if gate.shape != up.shape:
+        raise ValueError(f"silu_mul of shapes {tuple(gate.shape)} and {tuple(up.shape)}")
+    g, u = (t.reshape(-1, n) if t.dim() != 2 else t for t in (gate, up))
+    g, u = (t if t.stride(-1) == 1 else t.contiguous() for t in (g, u))
+    out = torch.empty(gate.shape, dtype=torch.float32)
+    if _required().lm_silu_mul(g.data_ptr(), u.data_ptr(), out.data_ptr(), g.shape[0], n, g.stride(0), u.stride(0)):
+        raise ValueError(f"silu_mul of rows of {n}")
     return out
 
 

@@ -11,11 +11,14 @@ import math
 import torch
 
 from localllm.runners.torch.attention import AttnBatch, KVPool
-from localllm.runners.torch.layers import LayerSource, Parallel, Rope, gelu_ggml, rms_norm
+from localllm.runners.torch.fused import ACT_GELU, FusedLayers
+from localllm.runners.torch.layers import LayerSource, Parallel, Rope, gelu_table, gelu_ggml, rms_norm
 from localllm.runners.torch.weights import ModelConfig
 
 
 class Gemma3Model:
+    rope_neox = True  # (rope on halves)
+
     def __init__(self, config: ModelConfig, weights: LayerSource, dtype: torch.dtype, device):
         self.config, self.dtype, self.device = config, dtype, device
         self.embed = weights.embedding("token_embd.weight", dtype)
@@ -25,6 +28,18 @@ class Gemma3Model:
         self.rope_global = Rope(config.head_dim, config.rope_base, True, device)
         self.rope_local = Rope(config.head_dim, config.rope_base_swa, True, device)
         self.scale = config.attn_scale or 1.0 / math.sqrt(config.head_dim)
+        self.use_fused = True  # every layer in one native call where it can (tests turn it off)
+        self._fused: tuple[KVPool, FusedLayers | None] | None = None
+
+    def fused(self, pool: KVPool, batch: AttnBatch) -> FusedLayers | None:
+        """The native layers over ``pool`` (see LlamaModel.fused): rope table 1 and the window
+        for the sliding-window layers."""
+        if not self.use_fused or batch.native_meta is None:
+            return None
+        if self._fused is None or self._fused[0] is not pool:
+            swa = [self.config.is_swa(i) for i in range(self.config.n_layer)]
+            self._fused = (pool, FusedLayers.build(self, pool, ACT_GELU, gelu_table(), swa=swa, post_norms=True))
+        return self._fused[1]
 
     def _load_layer(self, w: LayerSource, i: int) -> dict:
         p = f"blk.{i}"
@@ -45,6 +60,10 @@ class Gemma3Model:
                 pool: KVPool) -> torch.Tensor:
         c, dt = self.config, self.dtype
         x = self.embed[tokens].float() * math.sqrt(c.n_embd)
+        fused = self.fused(pool, batch)
+        if fused is not None:
+            fused(x, positions, batch, [self.rope_global, self.rope_local])
+            return rms_norm(x, self.norm, c.rms_eps)
         for i, layer in enumerate(self.layers):
             local = c.is_swa(i)
             rope = self.rope_local if local else self.rope_global

@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from localllm.runners.torch.attention import AttnBatch, KVPool
-from localllm.runners.torch.layers import LayerSource, Parallel, Rope, rms_norm
+from localllm.runners.torch.fused import ACT_SILU, FusedLayers
+from localllm.runners.torch.layers import LayerSource, Parallel, Rope, rms_norm, silu_mul
 from localllm.runners.torch.weights import ModelConfig
 
 
@@ -27,6 +27,18 @@ class LlamaModel:
         self.lm_head = weights.linear("output" if weights.has("output.weight") else "token_embd")
         self.rope = Rope(config.head_dim, config.rope_base, self.rope_neox, device)
         self.scale = config.attn_scale or 1.0 / math.sqrt(config.head_dim)
+        self.use_fused = True  # every layer in one native call where it can (tests turn it off)
+        self._fused: tuple[KVPool, FusedLayers | None] | None = None
+
+    def fused(self, pool: KVPool, batch: AttnBatch) -> FusedLayers | None:
+        """The native layers over ``pool`` (built at the first step), or None where they
+        cannot compute this model (fused.FusedLayers.build) or the batch is not the native
+        attention's."""
+        if not self.use_fused or batch.native_meta is None:
+            return None
+        if self._fused is None or self._fused[0] is not pool:
+            self._fused = (pool, FusedLayers.build(self, pool, ACT_SILU))
+        return self._fused[1]
 
     def _load_layer(self, w: LayerSource, i: int) -> dict:
         p = f"blk.{i}"
@@ -44,6 +56,10 @@ class LlamaModel:
         """Hidden states (N, d) after the final norm, for the flattened batch's tokens."""
         c, dt = self.config, self.dtype
         x = self.embed[tokens].float()
+        fused = self.fused(pool, batch)
+        if fused is not None:
+            fused(x, positions, batch, [self.rope])
+            return rms_norm(x, self.norm, c.rms_eps)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer["attn_norm"], c.rms_eps).to(dt)
             # (float32 + bfloat16 adds in float32, converting in the same kernel: as many
@@ -57,7 +73,7 @@ class LlamaModel:
             x = x + layer["o"](a.reshape(-1, c.n_head * c.head_dim).to(dt))
             h = rms_norm(x, layer["ffn_norm"], c.rms_eps).to(dt)
             gate, up = layer["gate_up"](h, torch.float32)
-            x = x + layer["down"]((F.silu(gate) * up).to(dt))
+            x = x + layer["down"](silu_mul(gate, up).to(dt))
         return rms_norm(x, self.norm, c.rms_eps)
 
     def reserve_positions(self, n: int) -> None:
