@@ -60,11 +60,13 @@ class AutoProbe:
     cpu_tier: str | None = None  # the tier the native kernels run on this CPU; None without them
 
 
-# The tiers of the native kernels on which the torch runner was measured ahead of llama.cpp on
-# the CPU (decode of one stream and of eight, and prefill, on both test models: docs/benchmarks.md,
-# "--runner auto on the CPU"). On AVX2 and AVX-VNNI it is not yet (single-stream decode
-# 0.8-1.2x), so auto keeps llama.cpp there.
-CPU_LEADING_TIERS = frozenset({"avx512vnni"})
+# The tiers of the native kernels on which the torch runner leads llama.cpp on the CPU where a
+# user waits on it, decode (docs/benchmarks.md, "--runner auto on the CPU"): AVX-512 VNNI
+# (1.26-1.42x one stream, 1.8-1.9x eight, 1.2x prefill) and AVX2 on a real AVX2-only CPU
+# (1.27-1.30x one stream, 1.18-1.38x eight; prefill 0.90-0.95x). AVX-VNNI runs AVX2's loops
+# with vpdpbusd in place of two instructions of each block, ahead of AVX2 on the same CPU
+# (measured forced). The scalar tier (no AVX2, or no x86) is far behind: llama.cpp there.
+CPU_LEADING_TIERS = frozenset({"avx2", "avxvnni", "avx512vnni"})
 # GGUF block formats the native kernels read in place on a tier with vector loops (AVX2 and up),
 # for a matrix and for the token embedding table; F32 tensors are read in place everywhere.
 CPU_IN_PLACE = frozenset({"Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
@@ -163,8 +165,8 @@ def _choose_on_cpu(arch: str | None, supported: bool, tier: str | None,
         return "llamacpp", ("llama.cpp on the CPU: the torch runner's native kernels are not installed "
                             "(`pip install 'localllm[torch]'` where a C compiler is)")
     if tier not in CPU_LEADING_TIERS:
-        return "llamacpp", (f"llama.cpp on the CPU: the torch runner leads it only with AVX-512 VNNI kernels, "
-                            f"and this CPU's are {tier}")
+        return "llamacpp", (f"llama.cpp on the CPU: the torch runner leads it only with its vector kernels "
+                            f"(AVX2 and up), and this CPU's are {tier}")
     if not supported:
         return "llamacpp", f"llama.cpp on the CPU: the torch runner has no model for the {arch!r} architecture"
     if not_in_place:
