@@ -477,6 +477,280 @@ ITEM_COPIES(128, item_avx512_d128)
 ITEM_COPIES(J->head_dim, item_avx512_any)
 #endif
 
+/* The AVX2 copy of the AVX-512 one (above), for the same pools (16-token blocks) and head sizes
+ * that are multiples of 8: a block's 16 keys are two vectors of 8 lanes, K transposed through
+ * 8 x 8 tiles, up to QGROUP8 queries sharing each load of the transposed keys and of V. Three
+ * passes as there; each query's arithmetic is its own (its two halves of lanes, the same fmas
+ * in the same order), so a position decoded alone and checked among drafts agree bit for bit.
+ * (The generic copy computed a query's dot with each key alone, then V row by row through
+ * memory: attention was a fifth of a 512-token Gemma 3 prefill on an AVX2-only EPYC.) */
+#ifdef LM_HAVE_AVX512_ATTN
+#define AVX2A __attribute__((target("avx2,fma,f16c")))
+#define QGROUP8 6 /* queries scored together: 12 accumulators, two key vectors, a broadcast */
+
+AVX2A static inline __m256 load8(const void *cache, int kv_type, size_t first, float scale) {
+    if (kv_type == LM_KV_Q8) {
+        const __m128i b = _mm_loadl_epi64((const __m128i *)((const int8_t *)cache + first));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_set1_ps(scale));
+    }
+    if (kv_type == LM_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache + first)));
+    return _mm256_loadu_ps((const float *)cache + first);
+}
+
+/* r[i][j] -> r[j][i] for 8 vectors of 8 floats. */
+AVX2A static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* exp_nonpositive on 8 lanes, with the AVX-512 copy's steps. */
+AVX2A static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)),
+                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+AVX2A static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+AVX2A static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Scores of G queries (a constant at each call) against a block's transposed keys: lanes 0-7
+ * keys 0-7, lanes 8-15 keys 8-15. */
+AVX2A static inline __attribute__((always_inline)) void block_scores8(const float *q0, const float *kt, const int D,
+                                                                     const int G, __m256 *lo, __m256 *hi) {
+    __m256 a[QGROUP8], b[QGROUP8];
+    for (int g = 0; g < G; g++) a[g] = b[g] = _mm256_setzero_ps();
+    for (int t = 0; t < D; t++) {
+        const __m256 kl = _mm256_load_ps(kt + (size_t)t * 16), kh = _mm256_load_ps(kt + (size_t)t * 16 + 8);
+        for (int g = 0; g < G; g++) {
+            const __m256 qb = _mm256_broadcast_ss(q0 + (size_t)g * D + t);
+            a[g] = _mm256_fmadd_ps(qb, kl, a[g]);
+            b[g] = _mm256_fmadd_ps(qb, kh, b[g]);
+        }
+    }
+    for (int g = 0; g < G; g++) lo[g] = a[g], hi[g] = b[g];
+}
+
+/* acc[g] += sum_j p[g][j] v[j] for G queries, 8 dimensions at a time, even and odd keys in two
+ * sums (as the AVX-512 copy). */
+AVX2A static inline __attribute__((always_inline)) void block_pv8(float *acc, const float *pb, size_t pstride,
+                                                                 const void *v, int kv, size_t first, size_t stride,
+                                                                 const float *vsc, const int n, const int D,
+                                                                 const int G) {
+    for (int c = 0; c < D / 8; c++) {
+        __m256 a[QGROUP8], b[QGROUP8];
+        for (int g = 0; g < G; g++) {
+            a[g] = _mm256_load_ps(acc + (size_t)g * D + c * 8);
+            b[g] = _mm256_setzero_ps();
+        }
+        int j = 0;
+        for (; j + 1 < n; j += 2) {
+            const __m256 v0 = load8(v, kv, first + (size_t)j * stride + c * 8, vsc[j]);
+            const __m256 v1 = load8(v, kv, first + (size_t)(j + 1) * stride + c * 8, vsc[j + 1]);
+            for (int g = 0; g < G; g++) {
+                a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(pb + g * pstride + j), v0, a[g]);
+                b[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(pb + g * pstride + j + 1), v1, b[g]);
+            }
+        }
+        if (j < n) {
+            const __m256 v0 = load8(v, kv, first + (size_t)j * stride + c * 8, vsc[j]);
+            for (int g = 0; g < G; g++) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(pb + g * pstride + j), v0, a[g]);
+        }
+        for (int g = 0; g < G; g++) _mm256_store_ps(acc + (size_t)g * D + c * 8, _mm256_add_ps(a[g], b[g]));
+    }
+}
+
+#define BY_GROUP8(G, CALL) \
+    switch (G) {            \
+    case 1: { const int G_ = 1; CALL; } break; \
+    case 2: { const int G_ = 2; CALL; } break; \
+    case 3: { const int G_ = 3; CALL; } break; \
+    case 4: { const int G_ = 4; CALL; } break; \
+    case 5: { const int G_ = 5; CALL; } break; \
+    default: { const int G_ = QGROUP8; CALL; } break; \
+    }
+
+AVX2A static inline void prefetch_ahead8(const void *cache, const int32_t *table, int b0, int hi, size_t stride,
+                                         size_t head, int D, size_t elt) {
+    if (b0 + 16 * PREFETCH_BLOCKS > hi) return;
+    const size_t next = (size_t)table[b0 / 16 + PREFETCH_BLOCKS] * 16;
+    for (int j = 0; j < 16; j++) {
+        const size_t at = ((next + j) * stride + head) * elt;
+        for (size_t off = 0; off < (size_t)D * elt; off += 64) _mm_prefetch((const char *)cache + at + off, _MM_HINT_T0);
+    }
+}
+
+AVX2A static inline __attribute__((always_inline)) void item_avx2(const job_t *J, const int32_t *item, float *scratch,
+                                                                 const int D, const int KV) {
+    const int s = item[0], kvh = item[1], chunk = item[2], r0 = item[3], r1 = item[4];
+    const int group = J->n_head / J->n_kv;
+    const int per = (group + J->head_chunks - 1) / J->head_chunks;
+    const int h0 = chunk * per, h1 = h0 + per < group ? h0 + per : group;
+    const int nh = h1 - h0, nq = (r1 - r0) * nh, DV = D / 8;
+    if (nh <= 0) return;
+    const int ql = J->q_len[s], first_pos = J->ctx_len[s] - ql;
+    const int32_t *table = J->tables + J->table_start[s];
+    const size_t stride = (size_t)J->n_kv * D;
+
+    const int hi = first_pos + r1 - 1;
+    int lo = 0;
+    if (J->n_swa > 0) { lo = first_pos + r0 - J->n_swa + 1; if (lo < 0) lo = 0; }
+    const int b_first = lo / 16, n_blocks = hi / 16 - b_first + 1;
+    const size_t pst = (size_t)n_blocks * 16;
+
+    float *base = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63); /* the AVX-512 copy's layout */
+    float *qv = base, *acc = qv + (size_t)nq * D, *kt = acc + (size_t)nq * D, *vb = kt + (size_t)16 * D;
+    float *mv = vb + (size_t)16 * D, *l = mv + (size_t)16 * nq, *pb = l + ((nq + 15) & ~15);
+    int *pos = (int *)(pb + (size_t)nq * pst);
+
+    for (int i = 0; i < r1 - r0; i++)
+        for (int h = 0; h < nh; h++) {
+            const float *src = J->q + ((size_t)(J->q_start[s] + r0 + i) * J->n_head + kvh * group + h0 + h) * D;
+            float *dst = qv + (size_t)(i * nh + h) * D;
+            for (int t = 0; t < D; t++) dst[t] = src[t] * J->scale;
+        }
+    const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+    for (int x = 0; x < nq; x++) {
+        _mm256_store_ps(mv + (size_t)x * 16, neg_inf);
+        _mm256_store_ps(mv + (size_t)x * 16 + 8, neg_inf);
+        pos[x] = first_pos + r0 + x / nh;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)nq * D);
+
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const size_t elt = KV == LM_KV_F32 ? 4 : KV == LM_KV_F16 ? 2 : 1;
+    for (int bi = 0; bi < n_blocks; bi++) {
+        const int b0 = (b_first + bi) * 16, blk = table[b0 / 16];
+        const int j0 = b0 > lo ? b0 : lo, j1 = b0 + 15 < hi ? b0 + 15 : hi, n = j1 - j0 + 1;
+        const size_t row0 = (size_t)blk * 16 + (j0 - b0);
+        prefetch_ahead8(J->k, table, b0, hi, stride, (size_t)kvh * D, D, elt);
+        float ksc[16];
+        for (int j = 0; j < 16; j++)
+            ksc[j] = KV == LM_KV_Q8 && j < n ? lm_half_to_float(J->k_scales[(row0 + j) * J->n_kv + kvh]) : 1.0f;
+        for (int c = 0; c < DV; c++)
+            for (int half = 0; half < 2; half++) {
+                __m256 r[8];
+                for (int j = 0; j < 8; j++) {
+                    const int key = 8 * half + j;
+                    r[j] = key < n ? load8(J->k, KV, (row0 + key) * stride + (size_t)kvh * D + c * 8, ksc[key])
+                                   : _mm256_setzero_ps();
+                }
+                transpose8(r);
+                for (int t = 0; t < 8; t++) _mm256_store_ps(kt + (size_t)(c * 8 + t) * 16 + 8 * half, r[t]);
+            }
+        /* lanes are keys j0 + lane (lanes 8-15: j0 + 8 + lane), for the n valid ones */
+        const __m256i keys_lo = _mm256_add_epi32(_mm256_set1_epi32(j0), iota);
+        const __m256i keys_hi = _mm256_add_epi32(keys_lo, _mm256_set1_epi32(8));
+        for (int x0 = 0; x0 < nq; x0 += QGROUP8) {
+            const int G = nq - x0 < QGROUP8 ? nq - x0 : QGROUP8;
+            __m256 sl[QGROUP8], sh[QGROUP8];
+            BY_GROUP8(G, block_scores8(qv + (size_t)x0 * D, kt, D, G_, sl, sh))
+            for (int g = 0; g < G; g++) {
+                const int x = x0 + g, p = pos[x];
+                const int see_lo = J->n_swa > 0 ? p - J->n_swa + 1 : 0;
+                const __m256i top = _mm256_set1_epi32(p < j0 + n - 1 ? p : j0 + n - 1), bottom = _mm256_set1_epi32(see_lo - 1);
+                /* seen: see_lo <= key <= min(p, the last valid key) */
+                const __m256 ml = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(keys_lo, top),
+                                                                          _mm256_cmpgt_epi32(keys_lo, bottom)));
+                const __m256 mh = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(keys_hi, top),
+                                                                          _mm256_cmpgt_epi32(keys_hi, bottom)));
+                const __m256 vl = _mm256_blendv_ps(neg_inf, sl[g], ml), vh = _mm256_blendv_ps(neg_inf, sh[g], mh);
+                float *px = pb + x * pst + (size_t)bi * 16, *mx = mv + (size_t)x * 16;
+                _mm256_store_ps(px, vl);
+                _mm256_store_ps(px + 8, vh);
+                _mm256_store_ps(mx, _mm256_max_ps(_mm256_load_ps(mx), vl));
+                _mm256_store_ps(mx + 8, _mm256_max_ps(_mm256_load_ps(mx + 8), vh));
+            }
+        }
+    }
+    for (int x = 0; x < nq; x++) {
+        const __m256 mx = _mm256_set1_ps(hmax8(_mm256_max_ps(_mm256_load_ps(mv + (size_t)x * 16),
+                                                              _mm256_load_ps(mv + (size_t)x * 16 + 8))));
+        __m256 sum_lo = _mm256_setzero_ps(), sum_hi = _mm256_setzero_ps();
+        float *px = pb + x * pst;
+        for (int bi = 0; bi < n_blocks; bi++)
+            for (int half = 0; half < 2; half++) {
+                float *at = px + (size_t)bi * 16 + 8 * half;
+                const __m256 sv = _mm256_load_ps(at);
+                const __m256 seen = _mm256_cmp_ps(sv, neg_inf, _CMP_NEQ_OQ);
+                const __m256 e = _mm256_and_ps(seen, exp8(_mm256_sub_ps(sv, mx)));
+                if (half) sum_hi = _mm256_add_ps(sum_hi, e);
+                else sum_lo = _mm256_add_ps(sum_lo, e);
+                _mm256_store_ps(at, e);
+            }
+        l[x] = hsum8(_mm256_add_ps(sum_lo, sum_hi));
+    }
+    for (int bi = 0; bi < n_blocks; bi++) {
+        const int b0 = (b_first + bi) * 16, blk = table[b0 / 16];
+        const int j0 = b0 > lo ? b0 : lo, j1 = b0 + 15 < hi ? b0 + 15 : hi, n = j1 - j0 + 1;
+        const size_t row0 = (size_t)blk * 16 + (j0 - b0);
+        prefetch_ahead8(J->v, table, b0, hi, stride, (size_t)kvh * D, D, elt);
+        float vsc[16];
+        for (int j = 0; j < n; j++)
+            vsc[j] = KV == LM_KV_Q8 ? lm_half_to_float(J->v_scales[(row0 + j) * J->n_kv + kvh]) : 1.0f;
+        for (int x0 = 0; x0 < nq; x0 += QGROUP8) {
+            const int G = nq - x0 < QGROUP8 ? nq - x0 : QGROUP8;
+            BY_GROUP8(G, block_pv8(acc + (size_t)x0 * D, pb + x0 * pst + (size_t)bi * 16, pst, J->v, KV,
+                                   row0 * stride + (size_t)kvh * D, stride, vsc, n, D, G_))
+        }
+    }
+    for (int i = 0; i < r1 - r0; i++)
+        for (int h = 0; h < nh; h++) {
+            const int x = i * nh + h;
+            float *dst = J->out + ((size_t)(J->q_start[s] + r0 + i) * J->n_head + kvh * group + h0 + h) * D;
+            const float inv = 1.0f / l[x];
+            for (int t = 0; t < D; t++) dst[t] = acc[(size_t)x * D + t] * inv;
+        }
+}
+
+#define ITEM_COPIES8(D_, NAME)                                                                              \
+    AVX2A static void NAME(const job_t *J, const int32_t *it, float *sc) {                                   \
+        switch (J->kv_type) {                                                                             \
+        case LM_KV_F16: item_avx2(J, it, sc, D_, LM_KV_F16); return;                                      \
+        case LM_KV_Q8: item_avx2(J, it, sc, D_, LM_KV_Q8); return;                                        \
+        default: item_avx2(J, it, sc, D_, LM_KV_F32); return;                                             \
+        }                                                                                                 \
+    }
+ITEM_COPIES8(64, item_avx2_d64)
+ITEM_COPIES8(128, item_avx2_d128)
+ITEM_COPIES8(256, item_avx2_d256)
+ITEM_COPIES8(J->head_dim, item_avx2_any)
+#endif
+
 static void run_item(const job_t *J, const int32_t *item, float *scratch) {
 #ifdef LM_HAVE_AVX512_ATTN
     if (J->tier == 4 && J->block_size == 16 && J->head_dim % 16 == 0) {
@@ -484,6 +758,16 @@ static void run_item(const job_t *J, const int32_t *item, float *scratch) {
         case 64: item_avx512_d64(J, item, scratch); return;
         case 128: item_avx512_d128(J, item, scratch); return;
         default: item_avx512_any(J, item, scratch); return;
+        }
+    }
+#endif
+#ifdef LM_HAVE_AVX512_ATTN
+    if (J->tier == 3 && J->block_size == 16 && J->head_dim % 8 == 0) {
+        switch (J->head_dim) {
+        case 64: item_avx2_d64(J, item, scratch); return;
+        case 128: item_avx2_d128(J, item, scratch); return;
+        case 256: item_avx2_d256(J, item, scratch); return;
+        default: item_avx2_any(J, item, scratch); return;
         }
     }
 #endif

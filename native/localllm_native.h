@@ -45,10 +45,12 @@ static inline float lm_half_to_float(uint16_t h) {
 #define LM_ENOMEM 2
 #define LM_MAX_THREADS 256
 
-#define LM_ABI_VERSION 9 /* 3: lm_paged_attention takes kv_type and the q8_0 scales; 4: lm_repack, lm_cpu_level; 5: rows.c;
+/* Bumped when a call changes and when a kernel's results change (the torch runner's prefix
+ * cache fingerprint carries it: stored K/V are the bits these kernels computed). */
+#define LM_ABI_VERSION 10 /* 3: lm_paged_attention takes kv_type and the q8_0 scales; 4: lm_repack, lm_cpu_level; 5: rows.c;
                             6: isa.c (lm_isa, lm_set_isa) in place of lm_cpu_level; 7: kquant.c (Q4_K, Q5_K,
                             Q6_K on every tier), tier 2 is AVX-VNNI; 8: Q5_0X, lm_repack takes the layout made;
-                            9: layer.c (lm_layers_forward) */
+                            9: layer.c (lm_layers_forward); 10: attention's AVX2 copy */
 
 /* What a KV pool holds (lm_paged_attention's kv_type). */
 #define LM_KV_F32 0

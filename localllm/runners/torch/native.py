@@ -17,7 +17,7 @@ import torch
 
 from localllm.errors import UsageError
 
-ABI_VERSION = 9  # native/localllm_native.h's LM_ABI_VERSION
+ABI_VERSION = 10  # native/localllm_native.h's LM_ABI_VERSION
 # What a KV pool holds, as native/attention.c numbers it (LM_KV_*): int8 is q8_0, with scales.
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
 REBUILD = "rebuild localllm's native kernels with `pip install -e .` (a C compiler is needed)"

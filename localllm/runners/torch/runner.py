@@ -180,9 +180,12 @@ class TorchRunner:
             self.graphs = DecodeGraphs(self.model, self.pool, config.scheduler.max_num_seqs, self.block_size,
                                        num_blocks, self.device, capture=capture, kernel=kernel)
         st = path.stat()
+        # (the native kernels' version and tier too: a stored prompt's K/V are the bits those
+        # kernels computed, and a hit must give the cold answer of the code that reads it)
+        kernels = f"|native {native_kernels.ABI_VERSION} {native_kernels.isa()}" if self.native else ""
         self.fingerprint = (f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|torch {torch.__version__}|"
                             f"{self.weights_scheme}|kv {config.cache.kv_dtype}"
-                            f"{' ' + KEY_SMOOTHING if self.pool.is_quantized else ''}").encode()
+                            f"{' ' + KEY_SMOOTHING if self.pool.is_quantized else ''}{kernels}").encode()
         self._lengths: dict[int, int] = {}  # seq_id -> positions it has KV for
         self.kv_bytes = self.pool.nbytes  # measured from the pool's tensors, scales included
 

@@ -34,7 +34,7 @@ class Gemma3Model:
     def fused(self, pool: KVPool, batch: AttnBatch) -> FusedLayers | None:
         """The native layers over ``pool`` (see LlamaModel.fused): rope table 1 and the window
         for the sliding-window layers."""
-        if not self.use_fused or batch.native_meta is None:
+        if not self.use_fused or getattr(batch, "native_meta", None) is None:  # (graphs.DecodeBatch has none)
             return None
         if self._fused is None or self._fused[0] is not pool:
             swa = [self.config.is_swa(i) for i in range(self.config.n_layer)]

@@ -34,7 +34,7 @@ class LlamaModel:
         """The native layers over ``pool`` (built at the first step), or None where they
         cannot compute this model (fused.FusedLayers.build) or the batch is not the native
         attention's."""
-        if not self.use_fused or batch.native_meta is None:
+        if not self.use_fused or getattr(batch, "native_meta", None) is None:  # (graphs.DecodeBatch has none)
             return None
         if self._fused is None or self._fused[0] is not pool:
             self._fused = (pool, FusedLayers.build(self, pool, ACT_SILU))
