@@ -84,29 +84,27 @@ static inline uint16_t half_bits(float x) {
 #endif
 }
 
+/* llama.cpp's GELU: 0 at or below -10, g at or above 10, else the table at g's float16 bits. */
+static inline float gelu_of(const float *table, float g) {
+    return g <= -10.0f ? 0.0f : g >= 10.0f ? g : table[half_bits(g)];
+}
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define F16C_TARGET __attribute__((target("avx2,fma,f16c")))
 
-/* out[i] = act(gate[i]) * up[i] for n values, 8 at a time (F16C's rounding is the same). */
-F16C_TARGET static void act_mul_f16c(const float *table, int gelu, const float *gate, const float *up, float *out,
-                                     int n) {
+/* GELU * up for n values, 8 at a time (F16C's rounding is the same as half_bits'). */
+F16C_TARGET static void gelu_mul_f16c(const float *table, const float *gate, const float *up, float *out, int n) {
     int i = 0;
     for (; i + 8 <= n; i += 8) {
         const __m256 g = _mm256_loadu_ps(gate + i);
         const __m128i h = _mm256_cvtps_ph(g, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         __m256 a = _mm256_i32gather_ps(table, _mm256_cvtepu16_epi32(h), 4);
-        if (gelu) {
-            a = _mm256_blendv_ps(a, g, _mm256_cmp_ps(g, _mm256_set1_ps(10.0f), _CMP_GE_OQ));
-            a = _mm256_blendv_ps(a, _mm256_setzero_ps(), _mm256_cmp_ps(g, _mm256_set1_ps(-10.0f), _CMP_LE_OQ));
-        }
+        a = _mm256_blendv_ps(a, g, _mm256_cmp_ps(g, _mm256_set1_ps(10.0f), _CMP_GE_OQ));
+        a = _mm256_blendv_ps(a, _mm256_setzero_ps(), _mm256_cmp_ps(g, _mm256_set1_ps(-10.0f), _CMP_LE_OQ));
         _mm256_storeu_ps(out + i, _mm256_mul_ps(a, _mm256_loadu_ps(up + i)));
     }
-    for (; i < n; i++) {
-        const float g = gate[i];
-        const float a = gelu && g <= -10.0f ? 0.0f : gelu && g >= 10.0f ? g : table[half_bits(g)];
-        out[i] = a * up[i];
-    }
+    for (; i < n; i++) out[i] = gelu_of(table, gate[i]) * up[i];
 }
 
 /* Halves of n floats (the f16 pool's rows). */
@@ -119,23 +117,19 @@ F16C_TARGET static void halves_of_f16c(const float *x, uint16_t *out, int n) {
 }
 #endif
 
+/* out = act(gate) * up for n values: silu (rows.c), or GELU through its table. */
 static void act_mul(const lm_model_t *m, const float *gate, const float *up, float *out, int n) {
     if (m->act == LM_ACT_SILU) {
         lm_silu_mul(gate, up, out, 1, n, n, n);
         return;
     }
-    const int gelu = 1;
 #if defined(__x86_64__) && defined(__GNUC__)
     if (lm_isa_f16c()) {
-        act_mul_f16c(m->act_table, gelu, gate, up, out, n);
+        gelu_mul_f16c(m->act_table, gate, up, out, n);
         return;
     }
 #endif
-    for (int i = 0; i < n; i++) {
-        const float g = gate[i];
-        const float a = gelu && g <= -10.0f ? 0.0f : gelu && g >= 10.0f ? g : m->act_table[half_bits(g)];
-        out[i] = a * up[i];
-    }
+    for (int i = 0; i < n; i++) out[i] = gelu_of(m->act_table, gate[i]) * up[i];
 }
 
 static void halves_of(const float *x, uint16_t *out, int n) {

@@ -87,26 +87,24 @@ class FusedLayers:
             keep.append(t)
             return t.data_ptr()
 
-        def mats(layer, out, limit: int) -> int | None:
+        def mats(layer, limit: int) -> list[_Mat] | None:
+            """The matmuls of a layer (a Parallel's groups, in order), or None."""
             groups = _groups(layer)
             if groups is None or len(groups) > limit:
                 return None
-            for i, g in enumerate(groups):
-                keep.append(g)
-                out[i] = _Mat(g.blocks.data_ptr(), g.matmul.code, g.matmul.n, ptr(g.bias))
-            return len(groups)
+            keep.extend(groups)
+            return [_Mat(g.blocks.data_ptr(), g.matmul.code, g.matmul.n, ptr(g.bias)) for g in groups]
 
         for i, src in enumerate(model.layers):
             dst = layers[i]
-            dst.n_qkv = mats(src["qkv"], dst.qkv, 3) or 0
-            dst.n_gate_up = mats(src["gate_up"], dst.gate_up, 2) or 0
-            one = (_Mat * 1)()
-            if not dst.n_qkv or not dst.n_gate_up or mats(src["o"], one, 1) is None:
+            qkv, gate_up, o, down = (mats(src[k], n) for k, n in (("qkv", 3), ("gate_up", 2), ("o", 1), ("down", 1)))
+            if qkv is None or gate_up is None or o is None or down is None:
                 return None
-            dst.o = one[0]
-            if mats(src["down"], one, 1) is None:
-                return None
-            dst.down = one[0]
+            dst.n_qkv, dst.n_gate_up, dst.o, dst.down = len(qkv), len(gate_up), o[0], down[0]
+            for j, m in enumerate(qkv):
+                dst.qkv[j] = m
+            for j, m in enumerate(gate_up):
+                dst.gate_up[j] = m
             dst.attn_norm, dst.ffn_norm = ptr(src["attn_norm"]), ptr(src["ffn_norm"])
             if post_norms:
                 dst.q_norm, dst.k_norm = ptr(src["q_norm"]), ptr(src["k_norm"])
