@@ -160,9 +160,11 @@ class ChatApp(App[int]):
             return
         self.backend, self.model = backend, model
         loading.display = False
-        self.status.set_state("ready", backend.model_name or model)
+        self.status.set_state("ready", backend.model_name or model, getattr(backend, "runner", None))
         if getattr(backend, "pool_summary", None):
             self.notify(f"KV cache: {backend.pool_summary}", timeout=8)
+        if getattr(backend, "runner_reason", None):
+            self.notify(f"Runner: {backend.runner_reason}", timeout=8)
         if self.conversation is not None and self.conversation.messages:
             self._warm()
 

@@ -113,6 +113,8 @@ class ChatBackend(Protocol):
     n_ctx: int | None  # None: the server does not say
     pool_summary: str | None  # the KV cache's size as people read it; None: not known here
     shares_cpu: bool  # the model runs on this machine's cores, beside the screen
+    # (optional) runner: the runner that computes the answers ("torch", "llamacpp"), and
+    # runner_reason: why `--runner auto` took it; None where not known (a remote server)
 
     def load(self) -> None:
         """Blocking: load the model or reach the server. Raises LocalLLMError."""
@@ -188,6 +190,8 @@ class LocalBackend:
         self.model_name = Path(config.model_path).name
         self.n_ctx: int | None = None
         self.pool_summary: str | None = None
+        self.runner: str | None = None
+        self.runner_reason: str | None = None
         self.shares_cpu = True
         self._engine = None  # AsyncEngine once loaded
         self._request_id: str | None = None
@@ -196,9 +200,15 @@ class LocalBackend:
         from localllm.engine.engine import AsyncEngine, LLMEngine
 
         engine = LLMEngine(self.config)
+        self._describe(engine)
+        self._engine = AsyncEngine(engine)
+
+    def _describe(self, engine) -> None:
+        """What the app shows of a loaded engine: its context, KV cache and runner."""
         self.n_ctx = engine.max_model_len
         self.pool_summary = engine.kv_pool_summary
-        self._engine = AsyncEngine(engine)
+        self.runner = engine.runner.name
+        self.runner_reason = getattr(engine.runner, "chosen_because", None)
 
     async def aload(self) -> None:
         """Lease the model from the app's LocalModels (loading it if it is not loaded)."""
@@ -209,8 +219,7 @@ class LocalBackend:
         lease = self._models.manager.lease(entry.name)
         loaded = await lease.__aenter__()
         self._lease, self._engine = lease, loaded.engine
-        self.n_ctx = loaded.engine.engine.max_model_len
-        self.pool_summary = loaded.engine.engine.kv_pool_summary
+        self._describe(loaded.engine.engine)
 
     async def aclose(self) -> None:
         """Give the model back to the manager (it stays loaded while memory allows)."""

@@ -143,7 +143,9 @@ def test_an_f16_pools_prefix_cache_is_never_loaded_into_a_q8_pool(tmp_path):
     f16_print, n, first = answer("f16")
     assert first.metrics.num_disk_cached_tokens == 0 and n > 64
     q8_print, _, q8 = answer("q8_0")
-    assert f16_print.endswith(b"|kv f16") and q8_print.endswith(b"|kv q8_0 smooth1")
+    # (and the native kernels' version and tier, which computed the stored bits)
+    kernels = f"|native {native.ABI_VERSION} {native.isa()}".encode() if native.available() else b""
+    assert f16_print.endswith(b"|kv f16" + kernels) and q8_print.endswith(b"|kv q8_0 smooth1" + kernels)
     assert q8.metrics.num_disk_cached_tokens == 0  # the f16 entry is another model's to it
     again = answer("q8_0")[2]  # its own entry, written by the run before
     assert again.metrics.num_disk_cached_tokens == n - 1 and again.token_ids == q8.token_ids

@@ -57,6 +57,9 @@ async def test_enter_sends_streams_and_saves(make_app, store):
         assert app.prompt.text == ""
         status = app.status.render_text()
         assert "· ready" in status and "TTFT" in status and f"prompt {answer.stats['prompt_tokens']}" in status
+        # the runner that answers, beside the model (the app's config names one or lets auto choose)
+        assert app.backend.runner in ("llamacpp", "torch")
+        assert status.split(" │ ")[0].endswith(f" · {app.backend.runner} · ready")
         # The threads decode runs on: chosen from the machine's load, up to its physical cores
         # (none on a GPU build of llama.cpp, where the GPU computes the steps).
         await app._poll_engine()
@@ -103,8 +106,12 @@ async def test_loading_shows_the_kv_cache_it_got(make_app):
     app = make_app(n_ctx=2048)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
-        assert [n.message for n in app._notifications] == [
-            "KV cache: 2,048 tokens (24 MiB, f16): 1 conversation of 2k"]
+        messages = [n.message for n in app._notifications]
+        assert messages[0] == "KV cache: 2,048 tokens (24 MiB, f16): 1 conversation of 2k"
+        # and which runner `--runner auto` took, and why
+        reason = app.backend.runner_reason
+        assert reason.startswith(f"the {app.backend.runner} runner" if app.backend.runner == "torch" else "llama.cpp")
+        assert messages[1:] == [f"Runner: {reason}"]
 
 
 async def test_sending_while_loading_keeps_the_text(make_app):
