@@ -63,7 +63,7 @@ class AutoProbe:
 # The tiers of the native kernels on which the torch runner leads llama.cpp on the CPU where a
 # user waits on it, decode (docs/benchmarks.md, "--runner auto on the CPU"): AVX-512 VNNI
 # (1.26-1.42x one stream, 1.8-1.9x eight, 1.2x prefill) and AVX2 on a real AVX2-only CPU
-# (1.27-1.30x one stream, 1.18-1.38x eight; prefill 0.90-0.95x). AVX-VNNI runs AVX2's loops
+# (1.34-1.40x one stream, 1.21-1.47x eight; prefill 0.97-1.04x). AVX-VNNI runs AVX2's loops
 # with vpdpbusd in place of two instructions of each block, ahead of AVX2 on the same CPU
 # (measured forced). The scalar tier (no AVX2, or no x86) is far behind: llama.cpp there.
 CPU_LEADING_TIERS = frozenset({"avx2", "avxvnni", "avx512vnni"})
