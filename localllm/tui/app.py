@@ -160,7 +160,7 @@ class ChatApp(App[int]):
             return
         self.backend, self.model = backend, model
         loading.display = False
-        self.status.set_state("ready", backend.model_name or model, getattr(backend, "runner", None))
+        self.status.set_state("ready", backend.model_name or model)
         if getattr(backend, "pool_summary", None):
             self.notify(f"KV cache: {backend.pool_summary}", timeout=8)
         if getattr(backend, "runner_reason", None):

@@ -24,10 +24,11 @@ def store(tmp_path):
 def make_app(qwen_path, store):
     """make_app(n_ctx=..., conversation=..., **ChatApp kwargs) -> ChatApp on the real model, its
     models leased from a LocalModels as `localllm chat` leases them; n_threads=0 (the default)
-    lets the engine choose them, as `localllm chat` does."""
+    lets the engine choose them, and runner="auto" the runner, as `localllm chat` does."""
 
-    def make(n_ctx: int = 2048, max_tokens: int = 48, n_threads: int = 0, **kwargs) -> ChatApp:
-        config = EngineConfig(model_path=qwen_path, cache=CacheConfig(n_ctx=n_ctx), n_threads=n_threads)
+    def make(n_ctx: int = 2048, max_tokens: int = 48, n_threads: int = 0, runner: str = "auto", **kwargs) -> ChatApp:
+        config = EngineConfig(model_path=qwen_path, cache=CacheConfig(n_ctx=n_ctx), n_threads=n_threads,
+                              runner=runner)
         models = LocalModels(config)
 
         def factory(model: str) -> LocalBackend:

@@ -57,9 +57,7 @@ async def test_enter_sends_streams_and_saves(make_app, store):
         assert app.prompt.text == ""
         status = app.status.render_text()
         assert "· ready" in status and "TTFT" in status and f"prompt {answer.stats['prompt_tokens']}" in status
-        # the runner that answers, beside the model (the app's config names one or lets auto choose)
-        assert app.backend.runner in ("llamacpp", "torch")
-        assert status.split(" │ ")[0].endswith(f" · {app.backend.runner} · ready")
+        assert app.backend.runner in ("llamacpp", "torch")  # the runner that answers (auto chose it)
         # The threads decode runs on: chosen from the machine's load, up to its physical cores
         # (none on a GPU build of llama.cpp, where the GPU computes the steps).
         await app._poll_engine()

@@ -11,6 +11,7 @@ pytestmark = pytest.mark.model
 
 # A fixed count, so the status bar's "2 threads" is the same on every machine and under any load.
 THREADS = 2
+RUNNER = "llamacpp"  # named, not auto: the status bar names it, the same on every CPU
 
 ANSWER = """Use a list comprehension:
 
@@ -46,13 +47,13 @@ async def _settled(pilot) -> None:
 
 def test_main_screen(snap_compare, make_app, store):
     conv_id = _chats(store)
-    app = make_app(conversation=store.get(conv_id), n_threads=THREADS)
+    app = make_app(conversation=store.get(conv_id), n_threads=THREADS, runner=RUNNER)
     assert snap_compare(app, terminal_size=SIZE, run_before=_settled)
 
 
 def test_conversation_panel_searching(snap_compare, make_app, store):
     _chats(store)
-    app = make_app(n_threads=THREADS)
+    app = make_app(n_threads=THREADS, runner=RUNNER)
 
     async def search(pilot) -> None:
         await _settled(pilot)
@@ -64,7 +65,7 @@ def test_conversation_panel_searching(snap_compare, make_app, store):
 
 
 def test_help_screen(snap_compare, make_app, store):
-    app = make_app(n_threads=THREADS)
+    app = make_app(n_threads=THREADS, runner=RUNNER)
 
     async def help_screen(pilot) -> None:
         await _settled(pilot)

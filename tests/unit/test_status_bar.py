@@ -59,13 +59,3 @@ def test_a_narrow_status_bar_leaves_whole_parts_out_from_the_end():
     assert bar.render_text(len(full) - 1) == full.removesuffix(" │ 2 threads")  # not "│ 2 thread"
     assert bar.render_text(40) == "qwen2.5-coder-0.5b · ready │ TTFT 500 ms"
     assert bar.render_text(5) == "qwen2.5-coder-0.5b · ready"  # the model and state stay, cut by the screen
-
-
-def test_status_bar_names_the_runner_beside_the_model_until_another_model_loads():
-    bar = _bar(_answer())
-    bar.set_state("ready", "qwen2.5-coder-0.5b.gguf", "torch")
-    assert bar.render_text(36) == "qwen2.5-coder-0.5b · torch · ready"
-    bar.set_state("answering")  # the same model: the runner stays
-    assert bar.render_text().startswith("qwen2.5-coder-0.5b · torch · answering │ ")
-    bar.set_state("loading", "gemma-3-270m.gguf")  # another model: not known until it is loaded
-    assert bar.render_text().startswith("gemma-3-270m · loading │ ")

@@ -23,15 +23,13 @@ class StatusBar(Static):
         super().__init__("", markup=False, **kwargs)  # one line, fixed height: a repaint, never a layout
         self.state = "starting"  # loading | ready | answering | warming | error
         self.model = ""
-        self.runner = ""  # the local engine's runner ("torch", "llamacpp"); "" where not known
         self.answer: dict = {}  # the current or last answer's figures (Figures.to_dict())
         self.engine: EngineFigures | None = None
 
-    def set_state(self, state: str, model: str | None = None, runner: str | None = None) -> None:
-        """The state; with a model, that model (and its runner, "" where not known)."""
+    def set_state(self, state: str, model: str | None = None) -> None:
         self.state = state
         if model is not None:
-            self.model, self.runner = model, runner or ""
+            self.model = model
         self.refresh_text()
 
     def set_answer(self, figures: Figures | dict) -> None:
@@ -51,7 +49,7 @@ class StatusBar(Static):
         model = self.model.removesuffix(".gguf") or "no model"
         if len(model) > 32:
             model = model[:31] + "…"
-        parts = [f"{model} · {self.runner + ' · ' if self.runner else ''}{self.state}",
+        parts = [f"{model} · {self.state}",
                  f"TTFT {ttft}", f"{speed} tok/s"]
         if a.get("draft_proposed"):  # only answers that drafted (on the local engine)
             parts.append(f"draft {a['draft_accepted']:,}/{a['draft_proposed']:,}")
