@@ -26,7 +26,7 @@ def runner_for(path, kv_dtype: str) -> TorchRunner:
 def forward(runner: TorchRunner, fused: bool, steps) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Hidden states of each step (spans: (block table, start, count)), and the pool after."""
     model = runner.model
-    model.use_fused = fused
+    model.fused.on = fused
     runner.pool.zero_()
     hidden = []
     gen = torch.Generator().manual_seed(0)
@@ -52,9 +52,9 @@ def test_native_layers_give_the_torch_paths_bits(model, kv_dtype, qwen_path, gem
     runner = runner_for(qwen_path if model == "qwen" else gemma_path, kv_dtype)
     try:
         fused_hidden, fused_pool = forward(runner, True, STEPS)
-        assert runner.model._fused[1] is not None  # every matrix of the file is in blocks read in place
+        assert runner.model.fused.held[1] is not None  # every matrix of the file is in blocks read in place
         torch_hidden, torch_pool = forward(runner, False, STEPS)
-        assert runner.model._fused is not None and all(torch.equal(a, b) for a, b in zip(fused_hidden, torch_hidden))
+        assert all(torch.equal(a, b) for a, b in zip(fused_hidden, torch_hidden))
         assert all(torch.equal(a, b) for a, b in zip(fused_pool, torch_pool))
         # a position decoded alone equals the same position among drafts
         alone, _ = forward(runner, True, STEPS[:2] + [[([0, 1, 2], 43, 1)]])
@@ -73,6 +73,6 @@ def test_native_layers_are_not_built_for_a_model_they_cannot_compute(tmp_path):
     runner = runner_for(write_tiny_gguf(tmp_path / "m.gguf", "qwen2"), "f16")  # float32 matrices
     try:
         forward(runner, True, STEPS[:1])
-        assert runner.model._fused == (runner.pool, None)
+        assert runner.model.fused.held == (runner.pool, None)
     finally:
         runner.close()

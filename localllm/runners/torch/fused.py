@@ -7,13 +7,14 @@ CPU, a fifth of the step. ``FusedLayers.build`` describes a model's layers once 
 its blocks, norms, biases and its KV pool, held here so they stay valid) and each step is one
 call. It computes what the model's own forward computes on the CPU with the same kernels
 (rms_norm, rope, the matmul, attention, SwiGLU's silu_mul, Gemma's GELU table), so the two
-paths give the same bits (tests/unit/test_fused_layers.py), and a position decoded alone
+paths give the same bits (tests/integration/test_fused_layers.py), and a position decoded alone
 still equals the same position checked among drafts."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from typing import Callable
 
 import torch
 
@@ -137,3 +138,20 @@ class FusedLayers:
                          table_start.data_ptr(), cos, sin, torch.get_num_threads())
         if rc:
             raise RuntimeError(f"native layers failed: {native._ERRORS.get(rc, rc)}")
+
+
+class FusedSlot:
+    """A model's native layers over the pool it runs on: built at its first step there
+    (``build`` gives None where they cannot compute the model) and used for batches of the
+    native attention. ``on`` False keeps the torch path (the tests compare the two)."""
+
+    def __init__(self, build: Callable[[KVPool], FusedLayers | None]):
+        self.build, self.on = build, True
+        self.held: tuple[KVPool, FusedLayers | None] | None = None
+
+    def get(self, pool: KVPool, batch) -> FusedLayers | None:
+        if not self.on or batch.native_meta is None:
+            return None
+        if self.held is None or self.held[0] is not pool:
+            self.held = (pool, self.build(pool))
+        return self.held[1]

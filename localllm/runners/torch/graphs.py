@@ -40,6 +40,8 @@ class DecodeBatch:
     ``slots`` (B,) and attends over positions 0..ctx_lens-1 (B,) read through ``tables``
     (B, max_blocks) int32. ``kernel``: the Triton kernel (CUDA); else the reference."""
 
+    native_meta = None  # (AttnBatch's, for the CPU's native attention and layers: never in a graph)
+
     def __init__(self, slots: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor, block_size: int,
                  kernel: bool):
         self.slots, self.tables, self.ctx_lens = slots, tables, ctx_lens

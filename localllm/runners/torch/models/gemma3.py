@@ -11,7 +11,7 @@ import math
 import torch
 
 from localllm.runners.torch.attention import AttnBatch, KVPool
-from localllm.runners.torch.fused import ACT_GELU, FusedLayers
+from localllm.runners.torch.fused import ACT_GELU, FusedLayers, FusedSlot
 from localllm.runners.torch.layers import LayerSource, Parallel, Rope, gelu_table, gelu_ggml, rms_norm
 from localllm.runners.torch.weights import ModelConfig
 
@@ -28,18 +28,11 @@ class Gemma3Model:
         self.rope_global = Rope(config.head_dim, config.rope_base, True, device)
         self.rope_local = Rope(config.head_dim, config.rope_base_swa, True, device)
         self.scale = config.attn_scale or 1.0 / math.sqrt(config.head_dim)
-        self.use_fused = True  # every layer in one native call where it can (tests turn it off)
-        self._fused: tuple[KVPool, FusedLayers | None] | None = None
-
-    def fused(self, pool: KVPool, batch: AttnBatch) -> FusedLayers | None:
-        """The native layers over ``pool`` (see LlamaModel.fused): rope table 1 and the window
-        for the sliding-window layers."""
-        if not self.use_fused or getattr(batch, "native_meta", None) is None:  # (graphs.DecodeBatch has none)
-            return None
-        if self._fused is None or self._fused[0] is not pool:
-            swa = [self.config.is_swa(i) for i in range(self.config.n_layer)]
-            self._fused = (pool, FusedLayers.build(self, pool, ACT_GELU, gelu_table(), swa=swa, post_norms=True))
-        return self._fused[1]
+        # every layer of a step in one native call where they can compute this model: rope
+        # table 1 and the window for the sliding-window layers
+        swa = [config.is_swa(i) for i in range(config.n_layer)]
+        self.fused = FusedSlot(lambda pool: FusedLayers.build(self, pool, ACT_GELU, gelu_table(), swa=swa,
+                                                              post_norms=True))
 
     def _load_layer(self, w: LayerSource, i: int) -> dict:
         p = f"blk.{i}"
@@ -60,7 +53,7 @@ class Gemma3Model:
                 pool: KVPool) -> torch.Tensor:
         c, dt = self.config, self.dtype
         x = self.embed[tokens].float() * math.sqrt(c.n_embd)
-        fused = self.fused(pool, batch)
+        fused = self.fused.get(pool, batch)
         if fused is not None:
             fused(x, positions, batch, [self.rope_global, self.rope_local])
             return rms_norm(x, self.norm, c.rms_eps)

@@ -8,7 +8,7 @@ import math
 import torch
 
 from localllm.runners.torch.attention import AttnBatch, KVPool
-from localllm.runners.torch.fused import ACT_SILU, FusedLayers
+from localllm.runners.torch.fused import ACT_SILU, FusedLayers, FusedSlot
 from localllm.runners.torch.layers import LayerSource, Parallel, Rope, rms_norm, silu_mul
 from localllm.runners.torch.weights import ModelConfig
 
@@ -27,18 +27,8 @@ class LlamaModel:
         self.lm_head = weights.linear("output" if weights.has("output.weight") else "token_embd")
         self.rope = Rope(config.head_dim, config.rope_base, self.rope_neox, device)
         self.scale = config.attn_scale or 1.0 / math.sqrt(config.head_dim)
-        self.use_fused = True  # every layer in one native call where it can (tests turn it off)
-        self._fused: tuple[KVPool, FusedLayers | None] | None = None
-
-    def fused(self, pool: KVPool, batch: AttnBatch) -> FusedLayers | None:
-        """The native layers over ``pool`` (built at the first step), or None where they
-        cannot compute this model (fused.FusedLayers.build) or the batch is not the native
-        attention's."""
-        if not self.use_fused or getattr(batch, "native_meta", None) is None:  # (graphs.DecodeBatch has none)
-            return None
-        if self._fused is None or self._fused[0] is not pool:
-            self._fused = (pool, FusedLayers.build(self, pool, ACT_SILU))
-        return self._fused[1]
+        # every layer of a step in one native call where they can compute this model
+        self.fused = FusedSlot(lambda pool: FusedLayers.build(self, pool, ACT_SILU))
 
     def _load_layer(self, w: LayerSource, i: int) -> dict:
         p = f"blk.{i}"
@@ -56,7 +46,7 @@ class LlamaModel:
         """Hidden states (N, d) after the final norm, for the flattened batch's tokens."""
         c, dt = self.config, self.dtype
         x = self.embed[tokens].float()
-        fused = self.fused(pool, batch)
+        fused = self.fused.get(pool, batch)
         if fused is not None:
             fused(x, positions, batch, [self.rope])
             return rms_norm(x, self.norm, c.rms_eps)
