@@ -88,9 +88,9 @@ def _add_runner(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--runner", choices=RUNNERS, default="auto",
                    help="what computes the model: llama.cpp, or localllm's own PyTorch models "
-                        "(qwen2, llama, gemma3; needs `pip install 'localllm[torch]'`); "
-                        "auto (default): the torch runner on an NVIDIA GPU, or on a CPU with AVX-512 VNNI "
-                        "when its kernels read the file in place; llama.cpp otherwise (`localllm doctor` says which)")
+                        "(qwen2, llama, gemma3); auto (default): the torch runner on an NVIDIA GPU, or on an "
+                        "x86 CPU with AVX2 when its kernels read the file in place; llama.cpp otherwise "
+                        "(`localllm doctor` says which)")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:

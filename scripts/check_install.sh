@@ -50,17 +50,26 @@ if (shutil.which("cc") or shutil.which("gcc")) and not any(n.startswith("localll
 EOF
 
 echo "== install $(basename "$wheel")"
+# torch is a dependency, and an unpinned one is the CUDA build on Linux (several GB): the
+# install takes the torch build the test environment holds (the CPU one there), from pip's
+# cache or its find-links, as a machine without a GPU is told to in the README.
+: >"$work/constraints.txt"
+torch_version=$("$BUILD_PY" -c "import torch; print(torch.__version__)" 2>/dev/null || true)
+if [ -n "$torch_version" ]; then
+  echo "torch==$torch_version" >"$work/constraints.txt"
+  echo "torch held at $torch_version (the test environment's build)"
+fi
 cd "$work"  # nothing below may import the source tree
 if command -v pipx >/dev/null 2>&1; then
   export PIPX_HOME="$work/pipx" PIPX_BIN_DIR="$work/bin" PIPX_MAN_DIR="$work/man"
-  pipx install --python "$(command -v "$BASE_PY")" "$wheel" >"$work/install.log" 2>&1 \
+  pipx install --python "$(command -v "$BASE_PY")" --pip-args="--constraint $work/constraints.txt" "$wheel" >"$work/install.log" 2>&1 \
     || { tail -n 30 "$work/install.log" >&2; fail "pipx install"; }
   localllm=$work/bin/localllm
   installed_py=$PIPX_HOME/venvs/localllm/bin/python
   echo "installed with pipx into $PIPX_HOME"
 else
   "$BASE_PY" -m venv "$work/venv" || fail "$BASE_PY -m venv"
-  "$work/venv/bin/python" -m pip install --disable-pip-version-check "$wheel" >"$work/install.log" 2>&1 \
+  "$work/venv/bin/python" -m pip install --disable-pip-version-check --constraint "$work/constraints.txt" "$wheel" >"$work/install.log" 2>&1 \
     || { tail -n 30 "$work/install.log" >&2; fail "pip install of the wheel"; }
   localllm=$work/venv/bin/localllm
   installed_py=$work/venv/bin/python
@@ -86,6 +95,12 @@ cat "$work/doctor.txt"
 [ ! -s "$work/doctor.err" ] || { cat "$work/doctor.err" >&2; fail "localllm doctor wrote to stderr"; }
 grep -q '^  llama-cpp-python: ' "$work/doctor.txt" || fail "localllm doctor: llama.cpp does not load in the install"
 grep -q '^  GPU offload: ' "$work/doctor.txt" || fail "localllm doctor: no GPU offload line"
+# torch, gguf and the native kernels come with the install: the torch runner is there for auto.
+grep -q '^  torch: [0-9]' "$work/doctor.txt" || fail "localllm doctor: torch does not import in the install"
+if command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1; then
+  grep -q "^  torch runner's native kernels: .*; tier " "$work/doctor.txt" \
+    || fail "localllm doctor: the torch runner's native kernels are not usable in the install"
+fi
 "$localllm" doctor --json | "$installed_py" -c "import json, sys; r = json.load(sys.stdin); assert r['llama_cpp']['version']" \
   || fail "localllm doctor --json"
 

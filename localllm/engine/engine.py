@@ -162,8 +162,9 @@ def choose_runner(arch: str | None, probe: AutoProbe, not_in_place: list[str] | 
 def _choose_on_cpu(arch: str | None, supported: bool, tier: str | None,
                    not_in_place: list[str] | tuple) -> tuple[str, str]:
     if tier is None:
-        return "llamacpp", ("llama.cpp on the CPU: the torch runner's native kernels are not installed "
-                            "(`pip install 'localllm[torch]'` where a C compiler is)")
+        return "llamacpp", ("llama.cpp on the CPU: this install lacks the torch runner's native kernels or "
+                            "PyTorch (`localllm doctor` says which; the kernels build with localllm where a C "
+                            "compiler is)")
     if tier not in CPU_LEADING_TIERS:
         return "llamacpp", (f"llama.cpp on the CPU: the torch runner leads it only with its vector kernels "
                             f"(AVX2 and up), and this CPU's are {tier}")
@@ -208,8 +209,8 @@ def _load_named(config: EngineConfig, name: str) -> ModelRunner:
             from localllm.runners.torch import models
             from localllm.runners.torch.runner import TorchRunner, architecture
         except ImportError as e:
-            raise UsageError(f"the torch runner needs PyTorch and the gguf package ({e}); "
-                             "install them with `pip install 'localllm[torch]'`, or use --runner llamacpp") from None
+            raise UsageError(f"the torch runner needs PyTorch and the gguf package, which localllm depends on ({e}): "
+                             "reinstall localllm with its dependencies, or use --runner llamacpp") from None
         arch = architecture(Path(config.model_path))
         if models.supported(arch):
             return TorchRunner(config)

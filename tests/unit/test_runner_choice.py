@@ -22,8 +22,8 @@ GPU = "NVIDIA GeForce RTX 4060 Laptop GPU"
 
 def test_no_gpu_and_no_native_kernels_is_llama_cpp():
     assert choose_runner("qwen2", AutoProbe(None, False, False, None)) == (
-        "llamacpp", "llama.cpp on the CPU: the torch runner's native kernels are not installed "
-                    "(`pip install 'localllm[torch]'` where a C compiler is)")
+        "llamacpp", "llama.cpp on the CPU: this install lacks the torch runner's native kernels or PyTorch "
+                    "(`localllm doctor` says which; the kernels build with localllm where a C compiler is)")
 
 
 def test_a_cpu_without_the_vector_kernels_is_llama_cpp():
