@@ -24,7 +24,7 @@ from localllm.engine.request import FinishReason, SamplingParams, Sequence
 from localllm.engine.sampler import Sampler, top_logprobs
 from localllm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from localllm.engine.spec_decode import Drafter
-from localllm.engine.threads import ThreadChooser
+from localllm.engine.threads import ThreadChooser, step_kind
 from localllm.errors import LocalLLMError, UsageError
 from localllm.memory import describe_pool
 from localllm.runners.base import ModelRunner
@@ -347,7 +347,7 @@ class LLMEngine:
         out = self.last_step = self.scheduler.schedule()
         num_tokens = sum(s.num_new_tokens for s in out.scheduled)
         decode_only = all(s.num_new_tokens == 1 + s.num_draft_tokens and s.needs_logits for s in out.scheduled)
-        kind = "decode" if decode_only else "prefill"
+        kind = step_kind(decode_only, num_tokens)
         threads = None
         if self.threads is not None and num_tokens:
             threads = self.threads.pick(kind, num_tokens)

@@ -7,7 +7,7 @@ slower on 2 threads than on 1 (docs/benchmarks.md, "A busy machine"). No fixed c
 right: on an idle machine every physical core is fastest, on a busy one fewer are.
 
 So the engine times its own steps and moves. Decode and prefill are judged apart (decode is
-bound by memory, prefill by compute, and their best counts differ), each an ``_Arm`` holding
+bound by memory, prefill by compute, and their best counts differ; ``step_kind``), each an ``_Arm`` holding
 the count in use and, per count and step size (a power-of-two bucket of tokens, as the
 drafter's StepCost keeps them), the recent seconds a step took. A prefill step's time grows
 with its tokens (compute), so within its bucket it is compared as if it had the bucket's most
@@ -17,7 +17,7 @@ then the arm runs a step on a neighbouring count, a *probe*: if that count is fa
 use. A probe is compared with the count in use's recent time; where that is older than
 ``STALE`` (the load may have moved since: a prompt a minute after the last), with the next
 step of its size on the count in use (within ``MATCH_WITHIN``; none coming, with that older
-time after all).
+time after all); the probe's second step, if it needs one, with that same step.
 
 Probes come
 
@@ -61,6 +61,22 @@ SPARE_EVERY = 0.5  # seconds (wall clock) between reads of the CPUs' idle time
 FLOOR_UNSEEN = 10.0  # seconds of work: the longest a lost probe holds off faster steps' probes without idle-CPU readings
 
 
+SHORT_PROMPT = 64  # tokens: a prompt step of at most this many is judged with the decode steps
+
+
+def step_kind(decode_only: bool, num_tokens: int) -> str:
+    """The arm that judges a step: "decode" for decode steps, and for prompt steps of at most
+    SHORT_PROMPT tokens; "prefill" for longer ones.
+
+    Where a core is taken, a step on more threads pays a wait at each of its barriers (the
+    same for every size of step) and gains in proportion to its tokens: with two busy
+    processes on the 2-core EPYC, a 142-token prompt ran faster on 2 threads and decode on 1.
+    A chat turn's or a cached prompt's short tail is a decode step's kind; one count for it
+    and the long prompts did neither well (docs/benchmarks.md, "A busy machine").
+    """
+    return "decode" if decode_only or num_tokens <= SHORT_PROMPT else "prefill"
+
+
 def bucket(num_tokens: int) -> int:
     """0 for 1 token, 1 for 2, 2 for 3-4, 3 for 5-8, ...: ceil(log2(num_tokens))."""
     return (max(1, num_tokens) - 1).bit_length()
@@ -72,6 +88,9 @@ class _Probe:
     ratios: list[float] = field(default_factory=list)  # probe step time / the count in use's
     extra: float = 0.0  # seconds the probe's steps took beyond what the count in use would have
     unmatched: tuple[int, float, float] | None = None  # (bucket, seconds, when) of a step awaiting a fresh time to compare
+    # (bucket, seconds): the count in use's step that its first step waited for, the base of
+    # its second, however old (prompts a minute apart: each probe step has its own reference)
+    fresh: tuple[int, float] | None = None
 
 
 @dataclass
@@ -187,6 +206,8 @@ class ThreadChooser:
         probe = arm.probe
         if probe is not None and threads == probe.count and not probe.unmatched:
             base = arm.recent.get((arm.current, b))
+            if probe.fresh is not None and probe.fresh[0] == b and (base is None or now - base[1] > STALE):
+                base = (probe.fresh[1], now)
             if base is None or now - base[1] > STALE:
                 probe.unmatched = (b, seconds, now)  # compare with the next step of its size on the count in use
             else:
@@ -200,7 +221,7 @@ class ThreadChooser:
             pb, ps, when = probe.unmatched
             if pb == b:
                 probe.unmatched = None
-                self._judge(arm, probe, b, ps, seconds, last=True)
+                self._judge(arm, probe, b, ps, seconds)
                 return
             if now - when > MATCH_WITHIN:
                 # No step of its size came in time (steps of other sizes do not tell: a
@@ -238,6 +259,7 @@ class ThreadChooser:
         probe.ratios.append(seconds / base)
         probe.extra += seconds - base
         if 1 - DRIFT <= probe.ratios[-1] < 1 - MARGIN and len(probe.ratios) < 2 and not last:
+            probe.fresh = (b, base)
             return  # somewhat faster: confirm on a second step
         arm.probe = None
         if probe.ratios[-1] < 1 - DRIFT or (len(probe.ratios) == 2 and all(r < 1 - MARGIN for r in probe.ratios)):

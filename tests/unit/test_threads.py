@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from localllm.engine.threads import ThreadChooser, bucket
+from localllm.engine.threads import SHORT_PROMPT, ThreadChooser, bucket, step_kind
 
 
 class Machine:
@@ -326,3 +326,39 @@ def test_probes_with_nothing_fresh_to_compare_with_are_still_paid_for():
         m.t += 95.0
     assert c.current("prefill") == 1
     assert bodies.count(2) <= 4, bodies  # 4 here: the first two, and two probes; 6 when unpaid
+
+
+def test_a_count_somewhat_faster_on_prompts_far_apart_is_moved_to():
+    # One busy process, then two: a 142-token prompt takes 10 ms a token on 1 thread and 18 on
+    # 2, then 24.4 on 1 and 18.5 on 2 (0.76x: faster, but not by DRIFT, so a probe needs a
+    # second step). A prompt every 100 s: each probe step waits for the next prompt on the
+    # count in use to compare with, and the probe's second step is compared with that one.
+    # (Before, each probe ended after its one step, "not surely faster", and the next began
+    # anew: the prompts took 1 and 2 threads in turn for as long as the load lasted.)
+    per_token = {1: 0.010, 2: 0.018}
+
+    def cost(kind, n, t, tokens=1):
+        if kind == "prefill":
+            return tokens * per_token[n]
+        return two_cores(load_from=0)(kind, n, t)
+
+    m = Machine(cost, spare=lambda t: 0.0)
+    c = m.chooser(2)
+    bodies = []
+    for i in range(40):
+        if i == 10:
+            per_token.update({1: 0.0244, 2: 0.0185})
+        m.run(c, until=m.t + 5.0)
+        n = c.pick("prefill", 142)
+        s = cost("prefill", n, m.t, 142)
+        c.record("prefill", n, 142, s)
+        m.t += s + 95.0
+        bodies.append(n)
+    assert 1 in bodies[:10], bodies
+    assert bodies[-10:] == [2] * 10 and c.current("prefill") == 2, bodies
+
+
+def test_short_prompt_steps_are_judged_with_decode():
+    assert step_kind(True, 1) == step_kind(True, 200) == "decode"  # decode steps, a batch of them
+    assert step_kind(False, 18) == step_kind(False, SHORT_PROMPT) == "decode"  # a chat turn's tail
+    assert step_kind(False, SHORT_PROMPT + 1) == step_kind(False, 142) == "prefill"
