@@ -23,8 +23,8 @@ Probes come
 
 - soon, when the arm's steps got markedly slower or faster than at its last decision (load
   came or went: ``DRIFT``): fewer threads at once when its own steps got slower; otherwise,
-  and for the other kind of step, once the last probe of that count is paid for (or
-  ``FLOOR_UNSEEN`` passed, where idle CPUs are unknown);
+  and for the other kind of step, once the last probe of that count (or the move away
+  from it) is paid for (or ``FLOOR_UNSEEN`` passed, where idle CPUs are unknown);
 - soon, upward, when CPUs sat idle while the arm runs on fewer than it may (load went; read
   from /proc/stat where the system has it);
 - soon, the same way, when the other kind of step moved;
@@ -270,12 +270,16 @@ class ThreadChooser:
             arm.ref.clear()
             arm.recent[(probe.count, b)] = (seconds, self.clock())
             arm.gap.clear()
-            arm.floor.clear()
             # Keep climbing the same way soon; check the count left behind again after the
             # work that the step time just won pays for (a move by a hair is checked soon).
+            # Until then it is a lost probe's count: the other kind's wandering step times do
+            # not bring it back (under load they wander by a third, and a prompt of a second
+            # or more a minute apart would be a probe each time); its own slower steps do.
             onward = probe.count + (probe.count - old)
             won = base - seconds
-            arm.due = {onward: work + MIN_GAP, old: work + max(4 * MIN_GAP, min(MAX_GAP, won / COST_SHARE))}
+            back = min(MAX_GAP, won / COST_SHARE)
+            arm.due = {onward: work + MIN_GAP, old: work + max(4 * MIN_GAP, back)}
+            arm.floor = {old: work + (back if self._spare_known else min(back, FLOOR_UNSEEN))}
             # The other kind of step meets the same machine: it tries the same way (once the
             # last loss of that count is paid for).
             for other in self._arms.values():

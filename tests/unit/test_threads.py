@@ -362,3 +362,37 @@ def test_short_prompt_steps_are_judged_with_decode():
     assert step_kind(True, 1) == step_kind(True, 200) == "decode"  # decode steps, a batch of them
     assert step_kind(False, 18) == step_kind(False, SHORT_PROMPT) == "decode"  # a chat turn's tail
     assert step_kind(False, SHORT_PROMPT + 1) == step_kind(False, 142) == "prefill"
+
+
+def test_after_a_move_the_other_kinds_wandering_steps_do_not_bring_the_count_left_back():
+    # One busy process, then two (as in the case above): prompts move from 1 thread to 2,
+    # decode stays on 1. The decode steps' times wander by half every 40 s (the scheduler's
+    # doing), a drift that says "load came" to both arms each time. A prompt every 30 s
+    # with 5 s of decode before it.
+    per_token = {1: 0.010, 2: 0.018}
+
+    def cost(kind, n, t, tokens=1):
+        if kind == "prefill":
+            return tokens * per_token[n]
+        return two_cores(load_from=0)(kind, n, t) * (1.5 if int(t // 40) % 2 else 1.0)
+
+    m = Machine(cost, spare=lambda t: 0.0)
+    c = m.chooser(2)
+    after_move = []
+    for i in range(50):
+        if i == 10:
+            per_token.update({1: 0.0244, 2: 0.0185})
+        m.run(c, until=m.t + 5.0)
+        before = c.current("prefill")
+        n = c.pick("prefill", 142)
+        s = cost("prefill", n, m.t, 142)
+        c.record("prefill", n, 142, s)
+        m.t += s + 25.0
+        if i >= 10 and before == 2:
+            after_move.append(n)
+    assert c.current("prefill") == 2 and c.current("decode") == 1
+    # The count left behind comes back on the timer, after the work that the move won pays
+    # for (about 30 s of work, four prompts here), not at the next drift of the decode
+    # steps (before: one of the first four prompts after the move ran on 1 thread).
+    assert after_move[:4] == [2, 2, 2, 2], after_move
+    assert after_move.count(1) <= len(after_move) // 5 + 1, after_move
