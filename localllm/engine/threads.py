@@ -22,7 +22,8 @@ time after all); the probe's second step, if it needs one, with that same step.
 Probes come
 
 - soon, when the arm's steps got markedly slower or faster than at its last decision (load
-  came or went: ``DRIFT``): fewer threads at once when its own steps got slower; otherwise,
+  came or went: ``DRIFT``): fewer threads at once when its own steps got slower (long prompt
+  steps on one thread already: two); otherwise,
   and for the other kind of step, once the last probe of that count (or the move away
   from it) is paid for (or ``FLOOR_UNSEEN`` passed, where idle CPUs are unknown);
 - soon, upward, when CPUs sat idle while the arm runs on fewer than it may (load went; read
@@ -103,6 +104,9 @@ class _Arm:
     # what its last probe lost, paid for at COST_SHARE (on a busy machine the step times of
     # the count in use wander, and a probe of more threads there can cost a second a step)
     floor: dict[int, float] = field(default_factory=dict)
+    # count -> before this (work clock), the other kind's drifts do not bring a probe of it:
+    # the count the last move left, until the work that the move won pays for
+    held: dict[int, float] = field(default_factory=dict)
     due: dict[int, float] = field(default_factory=dict)  # count -> when (work clock) it may be probed next
     probe: _Probe | None = None
     last_probe: float = float("-inf")  # work clock
@@ -238,12 +242,24 @@ class ThreadChooser:
             # meets the same machine: it tries the same way at its next step of a timed size.
             # Its own steps slower: fewer threads at once. Faster, or the other kind's steps
             # (a weaker sign: a decode step's time moves with the batch too): once the last
-            # loss of that count is paid for.
+            # loss of that count, and the last move away from it, are paid for.
+            # Long prompt steps on one thread already that got slower try two at once: more
+            # programs than cores share the CPUs by threads, and a long step's gain from one
+            # more outgrows its waits at the barriers (``step_kind``; busy_machine.py: beside
+            # one busy process a prompt ran fastest on 1 thread, beside two on 2). What the
+            # last probe of two lost was measured on the machine as it was before.
             way = -1 if t > ref else 1
+            arm.held.clear()  # its own steps moved: the load the last move was measured under is past
             for other in self._arms.values():
                 c = other.current + way
-                own_slower = other is arm and way < 0
-                other.due[c] = self._work if own_slower else max(self._work, other.floor.get(c, self._work))
+                if other is arm and way < 0 and c < 1 and kind == "prefill":
+                    c = other.current + 1
+                if other is arm and way < 0:
+                    other.due[c] = self._work
+                elif other is arm:
+                    other.due[c] = max(self._work, other.floor.get(c, self._work))
+                else:
+                    other.due[c] = max(self._work, other.floor.get(c, self._work), other.held.get(c, self._work))
             arm.ref[b] = t
 
     def _remember(self, arm: _Arm, threads: int, b: int, seconds: float, now: float) -> float:
@@ -272,14 +288,15 @@ class ThreadChooser:
             arm.gap.clear()
             # Keep climbing the same way soon; check the count left behind again after the
             # work that the step time just won pays for (a move by a hair is checked soon).
-            # Until then it is a lost probe's count: the other kind's wandering step times do
-            # not bring it back (under load they wander by a third, and a prompt of a second
-            # or more a minute apart would be a probe each time); its own slower steps do.
+            # Until then the other kind's wandering step times do not bring it back (under
+            # load they wander by a third, and a prompt of a second or more a minute apart
+            # would be a probe each time); its own steps moving do.
             onward = probe.count + (probe.count - old)
             won = base - seconds
             back = min(MAX_GAP, won / COST_SHARE)
             arm.due = {onward: work + MIN_GAP, old: work + max(4 * MIN_GAP, back)}
-            arm.floor = {old: work + (back if self._spare_known else min(back, FLOOR_UNSEEN))}
+            arm.floor.clear()
+            arm.held = {old: work + (back if self._spare_known else min(back, FLOOR_UNSEEN))}
             # The other kind of step meets the same machine: it tries the same way (once the
             # last loss of that count is paid for).
             for other in self._arms.values():

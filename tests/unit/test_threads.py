@@ -355,7 +355,8 @@ def test_a_count_somewhat_faster_on_prompts_far_apart_is_moved_to():
         m.t += s + 95.0
         bodies.append(n)
     assert 1 in bodies[:10], bodies
-    assert bodies[-10:] == [2] * 10 and c.current("prefill") == 2, bodies
+    # (the last ten on 2 but for the timer's check of 1, one prompt in ten at most)
+    assert bodies[-10:].count(2) >= 9 and c.current("prefill") == 2, "".join(map(str, bodies))
 
 
 def test_short_prompt_steps_are_judged_with_decode():
@@ -396,3 +397,69 @@ def test_after_a_move_the_other_kinds_wandering_steps_do_not_bring_the_count_lef
     # steps (before: one of the first four prompts after the move ran on 1 thread).
     assert after_move[:4] == [2, 2, 2, 2], after_move
     assert after_move.count(1) <= len(after_move) // 5 + 1, after_move
+
+
+def prompts(c, m, cost, n, decode_seconds=5.0, gap=25.0, tokens=142, at=None):
+    """n prompts of ``tokens`` tokens, each after ``decode_seconds`` of decode and followed by
+    ``gap`` seconds of waiting; ``at(i)`` is called before prompt i. Returns the counts."""
+    counts = []
+    for i in range(n):
+        if at is not None:
+            at(i)
+        m.run(c, until=m.t + decode_seconds)
+        k = c.pick("prefill", tokens)
+        s = cost("prefill", k, m.t, tokens)
+        c.record("prefill", k, tokens, s)
+        m.t += s + gap
+        counts.append(k)
+    return counts
+
+
+def test_prompts_on_one_thread_try_two_as_soon_as_theirs_get_slower():
+    # The torch runner's figures on the 2-core EPYC: beside one busy process a 142-token
+    # prompt takes 13.9 ms a token on 1 thread and 15.6 on 2; beside two, 22.7 on 1 and 17.0
+    # on 2. A prompt every 30 s. Its own steps 60 % slower say the machine changed: 2 threads
+    # are tried at the next prompt (what their probes lost beside one busy process says
+    # nothing now), and moved to two prompts later.
+    per_token = {1: 0.0139, 2: 0.0156}
+
+    def cost(kind, n, t, tokens=1):
+        return tokens * per_token[n] if kind == "prefill" else two_cores(load_from=0)(kind, n, t)
+
+    def at(i):
+        if i == 10:
+            per_token.update({1: 0.0227, 2: 0.0170})
+
+    m = Machine(cost, spare=lambda t: 0.0)
+    c = m.chooser(2)
+    counts = prompts(c, m, cost, 20, at=at)
+    assert counts[8:10] == [1, 1], counts  # beside one busy process: 1 thread
+    # The first under the new load on 1 (then found slower), a probe of 2, the count in use
+    # to compare it with (a half-minute-old time is not), the probe's second step: moved.
+    assert counts[10:14] == [1, 2, 1, 2] and counts[14:18] == [2] * 4, counts  # then the timer's check of 1
+    assert c.current("prefill") == 2
+
+
+def test_prompts_wandering_a_fifth_bring_few_costly_probes():
+    # Lasting load, 2 threads 1.8x slower than 1 for prompts, each prompt's time wandering
+    # by up to a fifth either way: drifts of a third come now and then, and each brings a
+    # probe of 2 (the rule above); the time lost on the slow count stays small (5.6 % here,
+    # 3.5-4 % before the rule; by a tenth either way, 3.5 % with it or without).
+    rng = random.Random(1)
+
+    def cost(kind, n, t, tokens=1):
+        if kind == "prefill":
+            return tokens * {1: 0.0139, 2: 0.025}[n] * rng.uniform(0.8, 1.2)
+        return two_cores(load_from=0)(kind, n, t)
+
+    m = Machine(cost, spare=lambda t: 0.0)
+    c = m.chooser(2)
+    steps = []
+    orig = c.record
+    c.record = lambda kind, n, tokens, s: (steps.append((kind, n, s)), orig(kind, n, tokens, s))
+    prompts(c, m, cost, 200)
+    at_two = [s for kind, n, s in steps[20:] if kind == "prefill" and n == 2]
+    every = [s for kind, n, s in steps[20:] if kind == "prefill"]
+    lost = sum(s * (1 - 1 / 1.8) for s in at_two) / sum(every)
+    assert c.current("prefill") == 1
+    assert lost < 0.07, f"{lost:.3f} of the prompts' time lost on 2 threads ({len(at_two)} of {len(every)})"
