@@ -328,6 +328,22 @@ def test_probes_with_nothing_fresh_to_compare_with_are_still_paid_for():
     assert bodies.count(2) <= 4, bodies  # 4 here: the first two, and two probes; 6 when unpaid
 
 
+def prompts(c, m, cost, n, decode_seconds=5.0, gap=25.0, tokens=142, at=None):
+    """n prompts of ``tokens`` tokens, each after ``decode_seconds`` of decode and followed by
+    ``gap`` seconds of waiting; ``at(i)`` is called before prompt i. Returns the counts."""
+    counts = []
+    for i in range(n):
+        if at is not None:
+            at(i)
+        m.run(c, until=m.t + decode_seconds)
+        k = c.pick("prefill", tokens)
+        s = cost("prefill", k, m.t, tokens)
+        c.record("prefill", k, tokens, s)
+        m.t += s + gap
+        counts.append(k)
+    return counts
+
+
 def test_a_count_somewhat_faster_on_prompts_far_apart_is_moved_to():
     # One busy process, then two: a 142-token prompt takes 10 ms a token on 1 thread and 18 on
     # 2, then 24.4 on 1 and 18.5 on 2 (0.76x: faster, but not by DRIFT, so a probe needs a
@@ -342,18 +358,13 @@ def test_a_count_somewhat_faster_on_prompts_far_apart_is_moved_to():
             return tokens * per_token[n]
         return two_cores(load_from=0)(kind, n, t)
 
-    m = Machine(cost, spare=lambda t: 0.0)
-    c = m.chooser(2)
-    bodies = []
-    for i in range(40):
+    def at(i):
         if i == 10:
             per_token.update({1: 0.0244, 2: 0.0185})
-        m.run(c, until=m.t + 5.0)
-        n = c.pick("prefill", 142)
-        s = cost("prefill", n, m.t, 142)
-        c.record("prefill", n, 142, s)
-        m.t += s + 95.0
-        bodies.append(n)
+
+    m = Machine(cost, spare=lambda t: 0.0)
+    c = m.chooser(2)
+    bodies = prompts(c, m, cost, 40, gap=95.0, at=at)
     assert 1 in bodies[:10], bodies
     # (the last ten on 2 but for the timer's check of 1, one prompt in ten at most)
     assert bodies[-10:].count(2) >= 9 and c.current("prefill") == 2, "".join(map(str, bodies))
@@ -377,42 +388,23 @@ def test_after_a_move_the_other_kinds_wandering_steps_do_not_bring_the_count_lef
             return tokens * per_token[n]
         return two_cores(load_from=0)(kind, n, t) * (1.5 if int(t // 40) % 2 else 1.0)
 
-    m = Machine(cost, spare=lambda t: 0.0)
-    c = m.chooser(2)
-    after_move = []
-    for i in range(50):
+    before = []
+
+    def at(i):
         if i == 10:
             per_token.update({1: 0.0244, 2: 0.0185})
-        m.run(c, until=m.t + 5.0)
-        before = c.current("prefill")
-        n = c.pick("prefill", 142)
-        s = cost("prefill", n, m.t, 142)
-        c.record("prefill", n, 142, s)
-        m.t += s + 25.0
-        if i >= 10 and before == 2:
-            after_move.append(n)
+        before.append(c.current("prefill"))
+
+    m = Machine(cost, spare=lambda t: 0.0)
+    c = m.chooser(2)
+    counts = prompts(c, m, cost, 50, at=at)
+    after_move = [n for i, n in enumerate(counts) if i >= 10 and before[i] == 2]
     assert c.current("prefill") == 2 and c.current("decode") == 1
     # The count left behind comes back on the timer, after the work that the move won pays
     # for (about 30 s of work, four prompts here), not at the next drift of the decode
     # steps (before: one of the first four prompts after the move ran on 1 thread).
     assert after_move[:4] == [2, 2, 2, 2], after_move
     assert after_move.count(1) <= len(after_move) // 5 + 1, after_move
-
-
-def prompts(c, m, cost, n, decode_seconds=5.0, gap=25.0, tokens=142, at=None):
-    """n prompts of ``tokens`` tokens, each after ``decode_seconds`` of decode and followed by
-    ``gap`` seconds of waiting; ``at(i)`` is called before prompt i. Returns the counts."""
-    counts = []
-    for i in range(n):
-        if at is not None:
-            at(i)
-        m.run(c, until=m.t + decode_seconds)
-        k = c.pick("prefill", tokens)
-        s = cost("prefill", k, m.t, tokens)
-        c.record("prefill", k, tokens, s)
-        m.t += s + gap
-        counts.append(k)
-    return counts
 
 
 def test_prompts_on_one_thread_try_two_as_soon_as_theirs_get_slower():
