@@ -7,12 +7,12 @@ slower on 2 threads than on 1 (docs/benchmarks.md, "A busy machine"). No fixed c
 right: on an idle machine every physical core is fastest, on a busy one fewer are.
 
 So the engine times its own steps and moves. Decode and prefill are judged apart (decode is
-bound by memory, prefill by compute, and their best counts differ; ``step_kind``), each an ``_Arm`` holding
-the count in use and, per count and step size (a power-of-two bucket of tokens, as the
-drafter's StepCost keeps them), the recent seconds a step took. A prefill step's time grows
-with its tokens (compute), so within its bucket it is compared as if it had the bucket's most
-tokens: a 146-token step and a 256-token one are the same load, not a 75 % drift. Now and
-then the arm runs a step on a neighbouring count, a *probe*: if that count is faster by
+bound by memory, prefill by compute, and their best counts differ; ``step_kind``), each an
+``_Arm`` holding the count in use and, per count and step size (a power-of-two bucket of
+tokens, as the drafter's StepCost keeps them), the recent seconds a step took. A prefill
+step's time grows with its tokens (compute), so within its bucket it is compared as if it had
+the bucket's most tokens: a 146-token step and a 256-token one are the same load, not a 75 %
+drift. Now and then the arm runs a step on a neighbouring count, a *probe*: if that count is faster by
 ``DRIFT`` on that step, or by ``MARGIN`` on it and on a second one, it becomes the count in
 use. A probe is compared with the count in use's recent time; where that is older than
 ``STALE`` (the load may have moved since: a prompt a minute after the last), with the next
@@ -23,9 +23,9 @@ Probes come
 
 - soon, when the arm's steps got markedly slower or faster than at its last decision (load
   came or went: ``DRIFT``): fewer threads at once when its own steps got slower (long prompt
-  steps on one thread already: two); otherwise,
-  and for the other kind of step, once the last probe of that count (or the move away
-  from it) is paid for (or ``FLOOR_UNSEEN`` passed, where idle CPUs are unknown);
+  steps on one thread already: two); otherwise, and for the other kind of step, once the last
+  probe of that count (or the move away from it) is paid for (or ``FLOOR_UNSEEN`` passed,
+  where idle CPUs are unknown);
 - soon, upward, when CPUs sat idle while the arm runs on fewer than it may (load went; read
   from /proc/stat where the system has it);
 - soon, the same way, when the other kind of step moved;
