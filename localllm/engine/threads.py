@@ -12,9 +12,9 @@ bound by memory, prefill by compute, and their best counts differ; ``step_kind``
 tokens, as the drafter's StepCost keeps them), the recent seconds a step took. A prefill
 step's time grows with its tokens (compute), so within its bucket it is compared as if it had
 the bucket's most tokens: a 146-token step and a 256-token one are the same load, not a 75 %
-drift. Now and then the arm runs a step on a neighbouring count, a *probe*: if that count is faster by
-``DRIFT`` on that step, or by ``MARGIN`` on it and on a second one, it becomes the count in
-use. A probe is compared with the count in use's recent time; where that is older than
+drift. Now and then the arm runs a step on a neighbouring count, a *probe*: if that count is
+faster by ``DRIFT`` on that step, or by ``MARGIN`` on it and on a second one, it becomes the
+count in use. A probe is compared with the count in use's recent time; where that is older than
 ``STALE`` (the load may have moved since: a prompt a minute after the last), with the next
 step of its size on the count in use (within ``MATCH_WITHIN``; none coming, with that older
 time after all); the probe's second step, if it needs one, with that same step.
@@ -252,14 +252,12 @@ class ThreadChooser:
             arm.held.clear()  # its own steps moved: the load the last move was measured under is past
             for other in self._arms.values():
                 c = other.current + way
-                if other is arm and way < 0 and c < 1 and kind == "prefill":
-                    c = other.current + 1
-                if other is arm and way < 0:
-                    other.due[c] = self._work
-                elif other is arm:
-                    other.due[c] = max(self._work, other.floor.get(c, self._work))
-                else:
+                if other is not arm:
                     other.due[c] = max(self._work, other.floor.get(c, self._work), other.held.get(c, self._work))
+                elif way < 0:  # fewer threads at once; a long prompt step on one already: two
+                    other.due[c if c >= 1 or kind != "prefill" else other.current + 1] = self._work
+                else:
+                    other.due[c] = max(self._work, other.floor.get(c, self._work))
             arm.ref[b] = t
 
     def _remember(self, arm: _Arm, threads: int, b: int, seconds: float, now: float) -> float:
