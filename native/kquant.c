@@ -210,10 +210,22 @@ AVX2_TARGET static inline __m256i piece_avx2(int wtype, const uint8_t *b, int p)
     return u;
 }
 
-AVX2_TARGET static inline __m256i piece_scales(int wtype, const uint8_t *b, const uint8_t *s8, int p) {
-    if (wtype == LM_Q6_K) /* 16-bit lanes 0-7: the scale of weights 32p..32p+15, 8-15: of the next 16 */
-        return _mm256_set_m128i(_mm_set1_epi16((int8_t)b[192 + 2 * p + 1]), _mm_set1_epi16((int8_t)b[192 + 2 * p]));
-    return _mm256_set1_epi16(s8[p]);
+/* A super-block's scales as 16-bit lanes, once for its 8 pieces: Q6_K's 16 (one per 16 weights)
+ * with the even ones in the low half and the odd ones in the high half, Q4_K's and Q5_K's 8 (one
+ * per 32) in both halves. */
+AVX2_TARGET static inline __m256i super_scales(int wtype, const uint8_t *b, const uint8_t *s8) {
+    if (wtype == LM_Q6_K) {
+        const __m128i evens_odds = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(b + 192)), evens_odds));
+    }
+    return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)s8)));
+}
+
+/* Piece p's scales for madd, one shuffle of super_scales: Q6_K's 16-bit lanes 0-7 the scale of
+ * weights 32p..32p+15 and lanes 8-15 of the next 16; Q4_K's and Q5_K's one scale in every lane
+ * (a broadcast from a byte in memory cost three instructions, Q6_K's pair seven). */
+AVX2_TARGET static inline __m256i piece_scales(__m256i scales, int p) {
+    return _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(2 * p | (2 * p + 1) << 8)));
 }
 
 /* Row n of W against mr <= TILE_X rows of x (xs[i]: row i's super-blocks), each piece unpacked
@@ -233,12 +245,13 @@ AVX2_TARGET static inline __attribute__((always_inline)) void kq_row_avx2(
         if (!six) k4_scales(b + 4, sm);
         const uint8_t *s8 = (const uint8_t *)sm;
         const float dw = f16_at(six ? b + 208 : b);
+        const __m256i scales = super_scales(wtype, b, s8);
         for (int par = 0; par < 2; par++) {
             __m256i isum[TILE_X];
             for (int i = 0; i < TILE_X; i++) isum[i] = _mm256_setzero_si256();
             for (int c = 0; c < 4; c++) {
                 const int p = 2 * c + par;
-                const __m256i u = piece_avx2(wtype, b, p), scale = piece_scales(wtype, b, s8, p);
+                const __m256i u = piece_avx2(wtype, b, p), scale = piece_scales(scales, p);
                 for (int i = 0; i < mr; i++) {
                     const __m256i xv = _mm256_loadu_si256((const __m256i *)(xs[i][s].q + 32 * p));
                     __m256i p16 = _mm256_maddubs_epi16(u, xv);
@@ -271,24 +284,44 @@ AVX2_TARGET static inline __attribute__((always_inline)) void kq_row_avx2(
     } while (0)
 
 #define KQ_ROW(T, MR) kq_row_avx2(T, row, nsb, xs, MR, y, N, n)
+/* every tile size a constant (a loop over a variable count kept its sums in memory: two rows
+ * of x, a draft's check, cost as much as four) */
+#define KQ_ROWS(T)                           \
+    do {                                     \
+        switch (mr) {                        \
+        case 1: KQ_ROW(T, 1); break;         \
+        case 2: KQ_ROW(T, 2); break;         \
+        case 3: KQ_ROW(T, 3); break;         \
+        default: KQ_ROW(T, TILE_X);          \
+        }                                    \
+    } while (0)
 
 AVX2_TARGET static void row_avx2(int wtype, const uint8_t *row, int n, int nsb, const xk_t *const *xs, int mr,
                                  float *y, int N) {
     switch (wtype) {
-    case LM_Q4_K: BY_TILE(KQ_ROW(LM_Q4_K, 1), KQ_ROW(LM_Q4_K, 4), KQ_ROW(LM_Q4_K, mr)); break;
-    case LM_Q5_K: BY_TILE(KQ_ROW(LM_Q5_K, 1), KQ_ROW(LM_Q5_K, 4), KQ_ROW(LM_Q5_K, mr)); break;
-    default: BY_TILE(KQ_ROW(LM_Q6_K, 1), KQ_ROW(LM_Q6_K, 4), KQ_ROW(LM_Q6_K, mr));
+    case LM_Q4_K: KQ_ROWS(LM_Q4_K); break;
+    case LM_Q5_K: KQ_ROWS(LM_Q5_K); break;
+    default: KQ_ROWS(LM_Q6_K);
     }
 }
 
-/* Rows n0..n1 of W against all M rows of x, TILE_X at a time. */
+/* Rows n0..n1 of W against all M rows of x: W in runs of ROWS_RUN rows, each run against the
+ * rows of x TILE_X at a time, so that a run is read from memory once for all of them (a row of
+ * W at a time against every tile read W once per tile, M / 4 times over: a few per cent slower
+ * here, where the shared cache held them). Q6_K takes the rows of x 2 at a time: with 4, its sums and offsets did not fit
+ * the 16 vector registers and the loop ran 10 % slower a row than with 2 (a Zen 2 core). */
+#define ROWS_RUN 16
 AVX2_TARGET static void rows_avx2(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nsb,
                                   const xk_t *xk, int M, float *y, int N) {
-    for (int m0 = 0; m0 < M; m0 += TILE_X) {
-        const int mr = M - m0 < TILE_X ? M - m0 : TILE_X;
-        const xk_t *xs[TILE_X];
-        for (int i = 0; i < TILE_X; i++) xs[i] = xk + (size_t)(m0 + (i < mr ? i : 0)) * nsb;
-        for (int n = n0; n < n1; n++) row_avx2(wtype, w + (size_t)n * row_bytes, n, nsb, xs, mr, y + (size_t)m0 * N, N);
+    const int tile = wtype == LM_Q6_K ? 2 : TILE_X;
+    for (int r0 = n0; r0 < n1; r0 += ROWS_RUN) {
+        const int r1 = n1 - r0 < ROWS_RUN ? n1 : r0 + ROWS_RUN;
+        for (int m0 = 0; m0 < M; m0 += tile) {
+            const int mr = M - m0 < tile ? M - m0 : tile;
+            const xk_t *xs[TILE_X];
+            for (int i = 0; i < TILE_X; i++) xs[i] = xk + (size_t)(m0 + (i < mr ? i : 0)) * nsb;
+            for (int n = r0; n < r1; n++) row_avx2(wtype, w + (size_t)n * row_bytes, n, nsb, xs, mr, y + (size_t)m0 * N, N);
+        }
     }
 }
 
