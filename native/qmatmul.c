@@ -647,35 +647,27 @@ static void mm_part(void *p, int part, int parts) {
         rows_avx2(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->dt, NULL, J->M, J->y, J->N);
         return;
     }
-    if (J->wtype == LM_Q5_0P || J->wtype == LM_Q4_0P || J->wtype == LM_Q5_0X) {
-        /* each layout a constant, so the compiler makes a loop for each */
-#define PAIRS(FN, T) \
-    FN(T, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->dt, (const __m256i *)J->xp, J->M, J->y, J->N)
-#define PAIRS_OF(FN)                                                            \
-        switch (J->wtype) {                                                     \
-        case LM_Q5_0X: PAIRS(FN, LM_Q5_0X); break;                              \
-        case LM_Q5_0P: PAIRS(FN, LM_Q5_0P); break;                              \
-        default: PAIRS(FN, LM_Q4_0P);                                           \
-        }
-        if (J->level == LM_ISA_AVXVNNI) PAIRS_OF(pairs_vnni) else PAIRS_OF(pairs_avx2)
-#undef PAIRS_OF
-#undef PAIRS
-        return;
-    }
     if (J->level == LM_ISA_AVXVNNI || J->level == LM_ISA_AVX2) {
-        /* each format a constant too, so no test of the format is left in the loops (Gemma 3's
-         * Q8_0 output head at one row of x: 7 % faster) */
-        const __m256i *xc = J->level == LM_ISA_AVXVNNI ? (const __m256i *)J->xp : NULL;
-#define ROWS(FN, T) FN(T, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->dt, xc, J->M, J->y, J->N)
-#define ROWS_OF(FN)                                                             \
+        /* each layout a constant, so the compiler makes a loop for each and no test of the
+         * layout is left inside them (Gemma 3's Q8_0 output head at one row of x: 7 % faster) */
+        const __m256i *xc = (const __m256i *)J->xp; /* AVX-VNNI's and the pairs' start values, or NULL */
+        const int vnni = J->level == LM_ISA_AVXVNNI;
+#define CALL_AS(FN, T) FN(T, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->dt, xc, J->M, J->y, J->N)
+#define CALL_OF(FN, A, B, C)                                                    \
         switch (J->wtype) {                                                     \
-        case LM_Q8_0: ROWS(FN, LM_Q8_0); break;                                 \
-        case LM_Q5_0: ROWS(FN, LM_Q5_0); break;                                 \
-        default: ROWS(FN, LM_Q4_0);                                             \
+        case A: CALL_AS(FN, A); break;                                          \
+        case B: CALL_AS(FN, B); break;                                          \
+        default: CALL_AS(FN, C);                                                \
         }
-        if (J->level == LM_ISA_AVXVNNI) ROWS_OF(rows_vnni) else ROWS_OF(rows_avx2)
-#undef ROWS_OF
-#undef ROWS
+        if (J->wtype == LM_Q5_0P || J->wtype == LM_Q4_0P || J->wtype == LM_Q5_0X) {
+            if (vnni) CALL_OF(pairs_vnni, LM_Q5_0X, LM_Q5_0P, LM_Q4_0P) else CALL_OF(pairs_avx2, LM_Q5_0X, LM_Q5_0P, LM_Q4_0P)
+        } else if (vnni) {
+            CALL_OF(rows_vnni, LM_Q8_0, LM_Q5_0, LM_Q4_0)
+        } else {
+            CALL_OF(rows_avx2, LM_Q8_0, LM_Q5_0, LM_Q4_0)
+        }
+#undef CALL_OF
+#undef CALL_AS
         return;
     }
 #endif
