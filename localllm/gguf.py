@@ -358,6 +358,8 @@ def token_texts(path: str | Path) -> tuple[bytes, ...] | None:
 # Headers read lately, by the file's identity: a load reads one file's header three or four
 # times (the check, the memory plan, the weights), and a 150k-token vocabulary takes ~80 ms
 # to skip each time. A file changed in place has another size or mtime, so it is read again.
+# A load checks the file first (gguf_check, which keeps the vocabulary's strings), so its other
+# reads find that one.
 _PARTS: OrderedDict[tuple, _Part] = OrderedDict()
 _PARTS_KEPT = 8
 _PARTS_LOCK = threading.Lock()  # models load on worker threads
@@ -375,10 +377,12 @@ def _read_part(path: Path, keep_strings: str | None = None) -> _Part:
         raise ModelLoadError(f"{path} is not a file; pass the path to a .gguf file")
     key = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, keep_strings)
     with _PARTS_LOCK:
-        part = _PARTS.get(key)
-        if part is not None:
-            _PARTS.move_to_end(key)
-            return part
+        # A read that keeps no strings takes one that kept some: the same header besides them.
+        found = key if key in _PARTS else next(
+            (k for k in reversed(_PARTS) if keep_strings is None and k[:-1] == key[:-1]), None)
+        if found is not None:
+            _PARTS.move_to_end(found)
+            return _PARTS[found]
     try:
         with open(path, "rb") as f:
             if f.seek(0, 2) == 0:

@@ -26,6 +26,7 @@ from localllm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from localllm.engine.spec_decode import Drafter
 from localllm.engine.threads import ThreadChooser, step_kind
 from localllm.errors import LocalLLMError, UsageError
+from localllm.gguf_check import check_model
 from localllm.memory import describe_pool
 from localllm.runners.base import ModelRunner
 from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -187,9 +188,8 @@ def load_runner(config: EngineConfig) -> ModelRunner:
         probe = probe_auto()
         arch, not_in_place, split_count = None, (), 1
         if probe.cuda is not None or probe.cpu_tier in CPU_LEADING_TIERS:
-            from localllm.gguf import read_info
-
-            info = read_info(Path(config.model_path))
+            # the check either runner makes first, made here: its header read serves the rest
+            info = check_model(Path(config.model_path))
             arch, split_count = info.architecture, info.split_count
             if probe.cuda is None and split_count == 1:
                 not_in_place = formats_not_in_place(config.model_path)
@@ -207,11 +207,12 @@ def _load_named(config: EngineConfig, name: str) -> ModelRunner:
     if name == "torch":
         try:
             from localllm.runners.torch import models
-            from localllm.runners.torch.runner import TorchRunner, architecture
+            from localllm.runners.torch.runner import TorchRunner
         except ImportError as e:
             raise UsageError(f"the torch runner needs PyTorch and the gguf package, which localllm depends on ({e}): "
                              "reinstall localllm with its dependencies, or use --runner llamacpp") from None
-        arch = architecture(Path(config.model_path))
+        # the check the runner makes first, made here: its header read serves the rest of the load
+        arch = check_model(Path(config.model_path)).architecture
         if models.supported(arch):
             return TorchRunner(config)
         log.info("the torch runner has no model for the %s architecture; using llama.cpp", arch)

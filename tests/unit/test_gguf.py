@@ -160,6 +160,30 @@ def test_timing_does_not_depend_on_vocabulary_decoding(tmp_path):
     assert read_info(tmp_path / "big.gguf").metadata["tokenizer.ggml.tokens"] == GGUFArray("string", 200_000)
 
 
+def test_a_header_is_read_once_for_the_check_and_the_plain_reads_after_it(tmp_path, monkeypatch):
+    """A load checks the file (keeping the vocabulary's strings), then reads the plain header for
+    the memory plan and the weights: those are answered from the first read. A plain read
+    first does not answer a read that needs the strings, and a file changed in place is read
+    again."""
+    from localllm import gguf as reader
+
+    path = write_tiny(tmp_path / "tiny.gguf")
+    parses = []
+    real_parse = reader._Parser.parse
+    monkeypatch.setattr(reader._Parser, "parse", lambda self: parses.append(self.keep_strings) or real_parse(self))
+    assert reader.token_texts(path) == tuple(t.encode() for t in TOKENS)
+    assert read_info(path).num_tensors == 5
+    assert reader.tensor_table(path)[2][0].name == "token_embd.weight"
+    assert parses == ["tokenizer.ggml.tokens"]
+    other = write_tiny(tmp_path / "other.gguf")
+    read_info(other)
+    assert reader.token_texts(other) is not None
+    assert parses == ["tokenizer.ggml.tokens", None, "tokenizer.ggml.tokens"]
+    os.utime(path, ns=(1, 1))  # the same bytes, another mtime: another file as far as the cache knows
+    read_info(path)
+    assert parses[-1] is None and len(parses) == 4
+
+
 # -- malformed files, built byte by byte -----------------------------------------------------
 
 

@@ -47,13 +47,6 @@ def pick_device() -> torch.device:
     return torch.device("cpu")
 
 
-def architecture(path: Path) -> str | None:
-    """The GGUF's general.architecture, read without loading anything else."""
-    from localllm.gguf import read_info
-
-    return read_info(path).architecture
-
-
 KEY_SMOOTHING = "smooth1"  # names key_smoothing's rule in the fingerprint: stored q8_0 keys depend on it
 
 
