@@ -205,20 +205,40 @@ def load_runner(config: EngineConfig) -> ModelRunner:
 
 def _load_named(config: EngineConfig, name: str) -> ModelRunner:
     if name == "torch":
-        try:
-            from localllm.runners.torch import models
-            from localllm.runners.torch.runner import TorchRunner
-        except ImportError as e:
-            raise UsageError(f"the torch runner needs PyTorch and the gguf package, which localllm depends on ({e}): "
-                             "reinstall localllm with its dependencies, or use --runner llamacpp") from None
+        from localllm.runners.llamacpp import VocabFile
+
+        path = Path(config.model_path)
         # the check the runner makes first, made here: its header read serves the rest of the load
-        arch = check_model(Path(config.model_path)).architecture
-        if models.supported(arch):
-            return TorchRunner(config)
+        arch = check_model(path).architecture
+        # The torch runner tokenizes with llama.cpp's vocabulary of the file: it loads in
+        # llama.cpp's own code, which holds no GIL, while torch is imported (0.3 s of a 2.3 s load).
+        with ThreadPoolExecutor(1, thread_name_prefix="localllm-vocab") as pool:
+            vocab = pool.submit(VocabFile, path)
+            try:
+                from localllm.runners.torch import models
+                from localllm.runners.torch.runner import TorchRunner
+            except ImportError as e:
+                _close_vocab(vocab)
+                raise UsageError(f"the torch runner needs PyTorch and the gguf package, which localllm depends on "
+                                 f"({e}): reinstall localllm with its dependencies, or use --runner llamacpp") from None
+            if models.supported(arch):
+                vocab_file = vocab.result()
+                try:
+                    return TorchRunner(config, vocab_file=vocab_file)
+                except BaseException:
+                    vocab_file.close()
+                    raise
+            _close_vocab(vocab)
         log.info("the torch runner has no model for the %s architecture; using llama.cpp", arch)
     from localllm.runners.llamacpp import LlamaCppRunner
 
     return LlamaCppRunner(config)
+
+
+def _close_vocab(vocab: Future) -> None:
+    """A vocabulary loaded for a runner that will not be built: freed, or its error dropped."""
+    with contextlib.suppress(Exception):
+        vocab.result().close()
 
 
 class LLMEngine:

@@ -87,13 +87,16 @@ class TorchRunner:
     chosen_because: str | None = None  # set by engine.load_runner when --runner auto chose it
 
     def __init__(self, config: EngineConfig, device: torch.device | None = None, native: bool | None = None,
-                 scheme: str | None = None, graphs: bool | None = None):
+                 scheme: str | None = None, graphs: bool | None = None, vocab_file=None):
         """native: attend with the native kernel (native/attention.c); by default wherever it
         was built and the pool is on the CPU (False: the pure-torch reference, for comparing).
         scheme: the weight scheme of a quantized file (quant.SCHEMES; benchmarks compare them).
         graphs: decode steps through DecodeGraphs (graphs.py): by default on CUDA where Triton
         is there (captured as CUDA graphs); True elsewhere runs the same static path eagerly
-        (for tests), False the plain eager path (for comparing)."""
+        (for tests), False the plain eager path (for comparing).
+        vocab_file: the file's VocabFile, loaded already (the engine loads it while torch is
+        imported); this runner closes it.
+        """
         from localllm.runners.llamacpp import VocabFile
         from localllm.runners.torch import native as native_kernels
         from localllm.runners.torch import quant
@@ -106,7 +109,7 @@ class TorchRunner:
         self.uses_cpu_threads = self.device.type == "cpu"
         if self.uses_cpu_threads and config.threads:
             torch.set_num_threads(config.threads)
-        self.vocab_file = VocabFile(path)
+        self.vocab_file = vocab_file if vocab_file is not None else VocabFile(path)
         self.vocab = self.vocab_file.vocab
         weights = GGUFWeights(path)
         self.config = weights.config()
