@@ -18,6 +18,7 @@ code, and a file lying about an architecture-specific key can still reach one.
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 
 from localllm.errors import ModelLoadError
@@ -41,22 +42,26 @@ _EQUAL_HEAD_DIMS = frozenset((
 _NOT_WEIGHT_TYPES = frozenset({"I8", "I16", "I32", "I64", "F64"})
 
 
-# The last files that passed, by their header as read (localllm.gguf keeps it per file
-# identity): a load checks its file where the runner is chosen and again in the runner.
+# The last single-file models that passed, by their header as read (localllm.gguf keeps it
+# per file identity): a load checks its file where the runner is chosen and again in the runner.
 _PASSED: dict[int, tuple[object, GGUFInfo]] = {}
+_PASSED_LOCK = threading.Lock()  # models load on worker threads
 
 
 def check_model(path: str | Path) -> GGUFInfo:
     """localllm.gguf.read_info, and the rules above. Raises ModelLoadError; returns the model's info."""
     path = Path(path)
     first = _read_part(path, keep_strings="tokenizer.ggml.tokens")
-    passed = _PASSED.get(id(first))
+    with _PASSED_LOCK:
+        passed = _PASSED.get(id(first))
     if passed is not None and passed[0] is first:
         return passed[1]
     info = _check(path, first)
-    _PASSED[id(first)] = (first, info)  # (holding the header keeps its id its own)
-    while len(_PASSED) > 8:
-        del _PASSED[next(iter(_PASSED))]
+    if info.split_count == 1:  # (a split model's other files are not in the header's identity)
+        with _PASSED_LOCK:
+            _PASSED[id(first)] = (first, info)  # (holding the header keeps its id its own)
+            while len(_PASSED) > 8:
+                del _PASSED[next(iter(_PASSED))]
     return info
 
 

@@ -184,6 +184,19 @@ def test_a_header_is_read_once_for_the_check_and_the_plain_reads_after_it(tmp_pa
     assert parses[-1] is None and len(parses) == 4
 
 
+def test_a_file_that_passed_its_check_is_not_checked_again_until_it_changes(tmp_path, monkeypatch):
+    from localllm import gguf_check
+
+    path = write_tiny(tmp_path / "tiny.gguf")
+    checks = []
+    real_check = gguf_check._check
+    monkeypatch.setattr(gguf_check, "_check", lambda p, first: checks.append(p) or real_check(p, first))
+    info = gguf_check.check_model(path)
+    assert gguf_check.check_model(path) is info and len(checks) == 1
+    os.utime(path, ns=(1, 1))
+    assert gguf_check.check_model(path).architecture == "llama" and len(checks) == 2
+
+
 # -- malformed files, built byte by byte -----------------------------------------------------
 
 
