@@ -141,7 +141,7 @@ static float *tile_scales(const float *xd, int M, int nb) {
                     const int mc = M - m0 < 4 ? M - m0 : 4;                                             \
                     const uint8_t *row = w + (size_t)n * row_bytes;                                     \
                     const qblock_t *xs = xq + (size_t)m0 * nb;                                          \
-                    const float *ds = xd + (size_t)m0 * nb, *dts = dt + (size_t)(m0 / 4) * ((nb + 1) / 2) * 8; \
+                    const float *ds = xd + (size_t)m0 * nb, *dts = dt ? dt + (size_t)(m0 / 4) * ((nb + 1) / 2) * 8 : NULL; \
                     const __m256i *cs = xc != NULL ? xc + (size_t)m0 * nb : NULL;                       \
                     float *yt = y + (size_t)m0 * N;                                                     \
                     switch (mc) { /* each a constant, so the sums stay in registers */                 \
@@ -708,8 +708,9 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
     }
     for (int m = 0; m < M; m++) quantize_row(x + (size_t)m * K, nb, xq + (size_t)m * nb, xd + (size_t)m * nb);
 #ifdef LM_X86
-    /* the 256-bit loops' scales (also AVX-512's fallback when a tile's scratch cannot be had) */
-    if (level >= LM_ISA_AVX2 && (dt = tile_scales(xd, M, nb)) == NULL) {
+    /* the 256-bit loops' scales for tiles of 2 rows of x and more (also AVX-512's fallback when
+     * a tile's scratch cannot be had); a decode step's single row reads none, so makes none */
+    if (level >= LM_ISA_AVX2 && M > 1 && (dt = tile_scales(xd, M, nb)) == NULL) {
         free(xq);
         free(xd);
         free(xp);
