@@ -275,14 +275,6 @@ AVX2_TARGET static inline __attribute__((always_inline)) void kq_row_avx2(
         y[(size_t)i * y_stride + n] = sum8_avx2(_mm256_add_ps(acc[0][i], acc[1][i])) - sum8_avx2(accm[i]);
 }
 
-/* Constant tile sizes for the common cases, so the accumulators stay in registers. */
-#define BY_TILE(CALL_1, CALL_4, CALL_MR) \
-    do {                                 \
-        if (mr == 1) CALL_1;             \
-        else if (mr == TILE_X) CALL_4;   \
-        else CALL_MR;                    \
-    } while (0)
-
 #define KQ_ROW(T, MR) kq_row_avx2(T, row, nsb, xs, MR, y, N, n)
 /* every tile size a constant (a loop over a variable count kept its sums in memory: two rows
  * of x, a draft's check, cost as much as four) */
@@ -427,14 +419,36 @@ VNNI512_TARGET static inline __attribute__((always_inline)) void q4k_rows_512(
     }
 }
 
+/* every tile size a constant, as on AVX2 */
+#define ROWS_512(FN)                                                    \
+    do {                                                                \
+        switch (mr) {                                                   \
+        case 1: FN(w, rb, n0, n1, nsb, xs, 1, y, N); break;             \
+        case 2: FN(w, rb, n0, n1, nsb, xs, 2, y, N); break;             \
+        case 3: FN(w, rb, n0, n1, nsb, xs, 3, y, N); break;             \
+        default: FN(w, rb, n0, n1, nsb, xs, TILE_X, y, N);              \
+        }                                                               \
+    } while (0)
+
 VNNI512_TARGET static void tile_512(int wtype, const uint8_t *w, size_t rb, int n0, int n1, int nsb,
                                     const xk_t *const *xs, int mr, float *y, int N) {
-    if (wtype == LM_Q6_K)
-        BY_TILE(q6k_rows_512(w, rb, n0, n1, nsb, xs, 1, y, N), q6k_rows_512(w, rb, n0, n1, nsb, xs, 4, y, N),
-                q6k_rows_512(w, rb, n0, n1, nsb, xs, mr, y, N));
-    else
-        BY_TILE(q4k_rows_512(w, rb, n0, n1, nsb, xs, 1, y, N), q4k_rows_512(w, rb, n0, n1, nsb, xs, 4, y, N),
-                q4k_rows_512(w, rb, n0, n1, nsb, xs, mr, y, N));
+    if (wtype == LM_Q6_K) ROWS_512(q6k_rows_512);
+    else ROWS_512(q4k_rows_512);
+}
+
+/* Rows n0..n1 in runs of ROWS_RUN, each run against all M rows of x TILE_X at a time (as
+ * rows_avx2), so that W comes from memory once however many rows x has. */
+VNNI512_TARGET static void rows_512(int wtype, const uint8_t *w, size_t rb, int n0, int n1, int nsb,
+                                    const xk_t *xk, int M, float *y, int N) {
+    for (int r0 = n0; r0 < n1; r0 += ROWS_RUN) {
+        const int r1 = n1 - r0 < ROWS_RUN ? n1 : r0 + ROWS_RUN;
+        for (int m0 = 0; m0 < M; m0 += TILE_X) {
+            const int mr = M - m0 < TILE_X ? M - m0 : TILE_X;
+            const xk_t *xs[TILE_X];
+            for (int i = 0; i < TILE_X; i++) xs[i] = xk + (size_t)(m0 + (i < mr ? i : 0)) * nsb;
+            tile_512(wtype, w, rb, r0, r1, nsb, xs, mr, y + (size_t)m0 * N, N);
+        }
+    }
 }
 #endif
 
@@ -455,12 +469,7 @@ static void kmm_part(void *p, int part, int parts) {
     if (n0 >= n1) return;
 #ifdef LM_X86
     if (J->level == LM_ISA_AVX512VNNI && J->wtype != LM_Q5_K) {
-        for (int m0 = 0; m0 < J->M; m0 += TILE_X) {
-            const int mr = J->M - m0 < TILE_X ? J->M - m0 : TILE_X;
-            const xk_t *xs[TILE_X];
-            for (int i = 0; i < TILE_X; i++) xs[i] = J->xk + (size_t)(m0 + (i < mr ? i : 0)) * J->nsb;
-            tile_512(J->wtype, J->w, J->row_bytes, n0, n1, J->nsb, xs, mr, J->y + (size_t)m0 * J->N, J->N);
-        }
+        rows_512(J->wtype, J->w, J->row_bytes, n0, n1, J->nsb, J->xk, J->M, J->y, J->N);
         return;
     }
     if (J->level >= LM_ISA_AVX2) { /* AVX-VNNI too: VNNI's dot would still need the scales' multiply */

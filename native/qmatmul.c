@@ -417,8 +417,18 @@ VNNI512_TARGET static inline __attribute__((always_inline)) void pairs_direct(
 
 VNNI512_TARGET static void rows_pairs_direct(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb,
                                              const xpair_t *xp, int M, float *y, int N) {
-    if (wtype == LM_Q5_0P) pairs_direct(LM_Q5_0P, w, row_bytes, n0, n1, nb, xp, M, y, N);
-    else pairs_direct(LM_Q4_0P, w, row_bytes, n0, n1, nb, xp, M, y, N);
+    /* the layout and the count of x's rows each a constant: with M read at run time the
+     * accumulators lived in memory, and a decode step's single row paid for it */
+#define PAIRS_M(T)                                                         \
+    switch (M) {                                                           \
+    case 0: break;                                                         \
+    case 1: pairs_direct(T, w, row_bytes, n0, n1, nb, xp, 1, y, N); break; \
+    case 2: pairs_direct(T, w, row_bytes, n0, n1, nb, xp, 2, y, N); break; \
+    case 3: pairs_direct(T, w, row_bytes, n0, n1, nb, xp, 3, y, N); break; \
+    default: pairs_direct(T, w, row_bytes, n0, n1, nb, xp, TILE_X, y, N);  \
+    }
+    if (wtype == LM_Q5_0P) PAIRS_M(LM_Q5_0P) else PAIRS_M(LM_Q4_0P)
+#undef PAIRS_M
 }
 
 /* A tile's weight rows unpacked, pair of blocks by pair: |w| as unsigned bytes, w's signs, and
@@ -522,31 +532,43 @@ VNNI512_TARGET static inline __attribute__((always_inline)) void tile_direct(
         for (int i = 0; i < mr; i++) y[(size_t)i * y_stride + n + r] = sum16(acc[r][i]);
 }
 
+/* M <= TILE_X: one tile of x, and W read a row at a time, front to back. (Four rows side by
+ * side are four streams, which the hardware prefetcher follows poorly out of memory: a
+ * 151936-row output head ran at 0.4x.) The format and M each a constant, as on AVX2. */
+VNNI512_TARGET static inline __attribute__((always_inline)) void rows_direct(
+    int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb, const qblock_t *xq, const float *xd, int M,
+    float *y, int N) {
+    const qblock_t *xs[TILE_X];
+    const float *ds[TILE_X];
+    for (int i = 0; i < TILE_X; i++) {
+        xs[i] = xq + (size_t)(i < M ? i : 0) * nb;
+        ds[i] = xd + (size_t)(i < M ? i : 0) * nb;
+    }
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *row[1] = {w + (size_t)n * row_bytes};
+        switch (M) {
+        case 0: break;
+        case 1: tile_direct(wtype, row, 1, nb, xs, ds, 1, y, N, n); break;
+        case 2: tile_direct(wtype, row, 1, nb, xs, ds, 2, y, N, n); break;
+        case 3: tile_direct(wtype, row, 1, nb, xs, ds, 3, y, N, n); break;
+        default: tile_direct(wtype, row, 1, nb, xs, ds, TILE_X, y, N, n);
+        }
+    }
+}
+
 /* Returns 0, or -1 when the scratch for the unpacked tile cannot be had. */
 VNNI512_TARGET static int rows_vnni512(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb,
                                        const qblock_t *xq, const float *xd, int M, float *y, int N) {
-    wpair_t *wt = NULL;
-    if (M > TILE_X && (wt = aligned_alloc(64, sizeof(wpair_t) * TILE_W * (size_t)((nb + 1) / 2))) == NULL) return -1;
-    if (wt == NULL) { /* M <= TILE_X: one tile of x, and W read a row at a time, front to back */
-        /* (Four rows side by side are four streams, which the hardware prefetcher follows
-         * poorly out of memory: a 151936-row output head ran at 0.4x.) */
-        const qblock_t *xs[TILE_X];
-        const float *ds[TILE_X];
-        for (int i = 0; i < TILE_X; i++) {
-            xs[i] = xq + (size_t)(i < M ? i : 0) * nb;
-            ds[i] = xd + (size_t)(i < M ? i : 0) * nb;
-        }
-        for (int n = n0; n < n1; n++) {
-            const uint8_t *row[1] = {w + (size_t)n * row_bytes};
-            switch (M) {
-            case 1: tile_direct(wtype, row, 1, nb, xs, ds, 1, y, N, n); break;
-            case 2: tile_direct(wtype, row, 1, nb, xs, ds, 2, y, N, n); break;
-            case 3: tile_direct(wtype, row, 1, nb, xs, ds, 3, y, N, n); break;
-            default: tile_direct(wtype, row, 1, nb, xs, ds, M, y, N, n);
-            }
+    if (M <= TILE_X) { /* Q8_0, Q5_0, Q4_0: the pairs' M <= TILE_X go to rows_pairs_direct */
+        switch (wtype) {
+        case LM_Q8_0: rows_direct(LM_Q8_0, w, row_bytes, n0, n1, nb, xq, xd, M, y, N); break;
+        case LM_Q4_0: rows_direct(LM_Q4_0, w, row_bytes, n0, n1, nb, xq, xd, M, y, N); break;
+        default: rows_direct(LM_Q5_0, w, row_bytes, n0, n1, nb, xq, xd, M, y, N);
         }
         return 0;
     }
+    wpair_t *wt = aligned_alloc(64, sizeof(wpair_t) * TILE_W * (size_t)((nb + 1) / 2));
+    if (wt == NULL) return -1;
     for (int n = n0; n < n1; n += TILE_W) {
         const int nr = n1 - n < TILE_W ? n1 - n : TILE_W;
         const uint8_t *rows[TILE_W];
@@ -563,9 +585,11 @@ VNNI512_TARGET static int rows_vnni512(int wtype, const uint8_t *w, size_t row_b
             }
             float *yt = y + (size_t)m0 * N;
             /* Constant tile sizes for the common cases, so the accumulators stay in registers. */
-            if (nr == TILE_W && mr == TILE_X) tile_vnni512(wt, TILE_W, nb, xs, ds, TILE_X, yt, N, n);
-            else if (nr == TILE_W && mr == 1) tile_vnni512(wt, TILE_W, nb, xs, ds, 1, yt, N, n);
-            else tile_vnni512(wt, nr, nb, xs, ds, mr, yt, N, n);
+            if (nr < TILE_W) tile_vnni512(wt, nr, nb, xs, ds, mr, yt, N, n);
+            else if (mr == TILE_X) tile_vnni512(wt, TILE_W, nb, xs, ds, TILE_X, yt, N, n);
+            else if (mr == 1) tile_vnni512(wt, TILE_W, nb, xs, ds, 1, yt, N, n);
+            else if (mr == 2) tile_vnni512(wt, TILE_W, nb, xs, ds, 2, yt, N, n);
+            else tile_vnni512(wt, TILE_W, nb, xs, ds, 3, yt, N, n);
         }
     }
     free(wt);

@@ -169,8 +169,8 @@ def test_odd_shapes_are_refused_for_the_wide_layouts():
 @pytest.mark.parametrize("kind", KINDS + K_QUANTS + ["Q4_0P", "Q5_0P", "Q5_0X"])
 def test_every_tile_of_rows_gives_the_portable_loops_bits(kind):
     """The vector loops take the rows of x 4 at a time and have a loop for each tile size (1, 2,
-    3, 4): every size, and an odd last block, gives the bits of the portable loop (pairs: of
-    the file's blocks there)."""
+    3, 4), and past 4 rows tiles of several weight rows: every size, and an odd last block,
+    gives the bits of the portable loop (pairs: of the file's blocks there)."""
     rng = np.random.default_rng(11)
     file_kind = {"Q4_0P": "Q4_0", "Q5_0P": "Q5_0", "Q5_0X": "Q5_0"}.get(kind, kind)
     k = 768 if kind in K_QUANTS else (704 if file_kind != kind else 736)  # 23 blocks: an odd last one
@@ -180,7 +180,7 @@ def test_every_tile_of_rows_gives_the_portable_loops_bits(kind):
         blocks = blocks_of(rng.standard_normal((37, k)).astype(np.float32), file_kind)
     weights = native.repack(blocks, file_kind, packed=kind) if file_kind != kind else blocks
     x = torch.from_numpy(rng.standard_normal((11, k)).astype(np.float32))
-    for m in range(1, 12):
+    for m in range(12):  # 0: an empty batch gives an empty result
         want = native.qmatmul(x[:m], blocks, file_kind, force_scalar=True)
         for threads in (1, 2):
             assert torch.equal(native.qmatmul(x[:m], weights, kind, n_threads=threads), want), (m, threads)
