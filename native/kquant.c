@@ -36,7 +36,7 @@ typedef struct {
     int32_t pad[7];
 } xk_t; /* 832 bytes, a multiple of 64 */
 
-int lm_kquant_bytes(int wtype) {
+static inline int kquant_bytes(int wtype) { /* inlined, where lm_kquant_bytes is not (qmatmul.c's block_bytes) */
     switch (wtype) {
     case LM_Q4_K: return 144;
     case LM_Q5_K: return 176;
@@ -44,6 +44,8 @@ int lm_kquant_bytes(int wtype) {
     default: return 0;
     }
 }
+
+int lm_kquant_bytes(int wtype) { return kquant_bytes(wtype); }
 
 static inline int nearest_int(float f) { /* llama.cpp's: to nearest, ties to even */
     float v = f + 12582912.f;
@@ -134,7 +136,7 @@ static void unpack_super(int wtype, const uint8_t *b, int8_t q[QKK], int32_t sc1
 
 static void rows_scalar(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nsb, const xk_t *xk,
                         int M, float *y, int N) {
-    const int sb = lm_kquant_bytes(wtype);
+    const int sb = kquant_bytes(wtype);
     int8_t q[QKK];
     int32_t sc16[16], mins[8];
     for (int n = n0; n < n1; n++) {
@@ -235,7 +237,7 @@ AVX2_TARGET static inline __m256i piece_scales(__m256i scales, int p) {
  * 4 products. */
 AVX2_TARGET static inline __attribute__((always_inline)) void kq_row_avx2(
     int wtype, const uint8_t *row, int nsb, const xk_t *const *xs, int mr, float *y, size_t y_stride, int n) {
-    const int sb = lm_kquant_bytes(wtype), six = wtype == LM_Q6_K;
+    const int sb = kquant_bytes(wtype), six = wtype == LM_Q6_K;
     __m256 acc[2][TILE_X], accm[TILE_X];
     for (int i = 0; i < TILE_X; i++) acc[0][i] = acc[1][i] = accm[i] = _mm256_setzero_ps();
     for (int s = 0; s < nsb; s++) {
@@ -482,7 +484,7 @@ static void kmm_part(void *p, int part, int parts) {
 
 int lm_qmatmul_k(const float *x, int M, int K, const uint8_t *w, int wtype, int N, float *y, int n_threads,
                  int level) {
-    const int sb = lm_kquant_bytes(wtype);
+    const int sb = kquant_bytes(wtype);
     if (sb == 0 || K % QKK != 0 || M < 0 || N < 0) return LM_EINVAL;
     const int nsb = K / QKK;
     xk_t *xk = aligned_alloc(64, sizeof(xk_t) * ((size_t)M * nsb + 1));

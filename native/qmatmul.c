@@ -33,7 +33,10 @@ static inline float round_to_f16(float x) {
 #endif
 }
 
-int lm_block_bytes(int wtype) {
+/* static inline, and the exported lm_block_bytes its copy: a shared library's exported
+ * function is not inlined (it could be interposed), and a call inside a loop cost the AVX-512
+ * loop a spill of its sums and 40 % of its time */
+static inline int block_bytes(int wtype) {
     switch (wtype) {
     case LM_Q4_0: return 18;
     case LM_Q5_0: return 22;
@@ -44,6 +47,8 @@ int lm_block_bytes(int wtype) {
     default: return 0;
     }
 }
+
+int lm_block_bytes(int wtype) { return block_bytes(wtype); }
 
 /* The 32 weights of one block as signed integers, and its scale. */
 static inline float unpack_block(int wtype, const uint8_t *b, int8_t *w) {
@@ -191,7 +196,7 @@ static float *tile_scales(const float *xd, int M, int nb) {
     TARGET static inline __attribute__((always_inline)) void NAME##_row(                               \
         int wtype, const uint8_t *row, int nb, const qblock_t *xq, const float *xd, const float *dt,     \
         const __m256i *xc, int mc, float *y, int N, int n) {                                            \
-        const int bb = lm_block_bytes(wtype);                                                           \
+        const int bb = block_bytes(wtype);                                                              \
         float sc[8] __attribute__((aligned(32)));                                                       \
         __m256 acc[2][4];                                                                               \
         for (int i = 0; i < 4; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();                        \
@@ -327,6 +332,7 @@ PAIRS_LOOP(pairs_vnni, VNNI_TARGET, DOTU_VNNI)
 #define VNNI512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
 #define TILE_W 4
 #define TILE_X 4
+#define X_CHUNK_BYTES (512 * 1024)
 
 VNNI512_TARGET static inline float sum16(__m512 v) { /* lm_sum16's order */
     return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
@@ -352,7 +358,6 @@ VNNI512_TARGET static inline __m512 pair_scales(float a, float b) {
  * blocks. */
 
 static inline int pair_bytes(int wtype) { return wtype == LM_Q5_0P ? 44 : 36; }
-static inline int pair_offset(int wtype) { return wtype == LM_Q5_0P ? 16 : 8; }
 
 VNNI512_TARGET static inline __m512i pair_unsigned(int wtype, const uint8_t *pair) {
     const int hb_bytes = wtype == LM_Q5_0P ? 8 : 0;
@@ -379,32 +384,65 @@ typedef struct {
     __m512 dx;
 } xpair_t;
 
-VNNI512_TARGET static void pairs_prepare(int wtype, const qblock_t *xq, const float *xd, int M, int nb,
+VNNI512_TARGET static void pairs_prepare(int offset, const qblock_t *xq, const float *xd, int M, int nb,
                                          xpair_t *out) {
-    const int pairs = nb / 2;
-    const __m512i offset = _mm512_set1_epi8((char)pair_offset(wtype));
+    const int pairs = (nb + 1) / 2;
+    const __m512i off = _mm512_set1_epi8((char)offset);
     for (int m = 0; m < M; m++)
         for (int p = 0; p < pairs; p++) {
             xpair_t *o = out + (size_t)m * pairs + p;
-            o->x = _mm512_loadu_si512((const void *)xq[(size_t)m * nb + 2 * p].q);
+            const size_t b = (size_t)m * nb + 2 * p;
+            const int two = 2 * p + 1 < nb; /* an odd last block pairs with zeros */
+            o->x = two ? _mm512_loadu_si512((const void *)xq[b].q)
+                       : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)xq[b].q));
             /* offset * (x's sums per 4 lanes), negated: unsigned offsets by the signed x */
-            o->corr = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, o->x));
-            o->dx = pair_scales(xd[(size_t)m * nb + 2 * p], xd[(size_t)m * nb + 2 * p + 1]);
+            o->corr = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), off, o->x));
+            o->dx = pair_scales(xd[b], two ? xd[b + 1] : 0.0f);
         }
 }
 
-/* Rows n0..n1 of a matrix in pairs against M <= TILE_X prepared rows of x. */
-VNNI512_TARGET static inline __attribute__((always_inline)) void pairs_direct(
+/* Blocks 2p and 2p + 1 of a weight row (any format; the pairs' pair p) as 64 unsigned bytes
+ * u = w + unsigned_offset (Q8_0 128, Q4_0 8, Q5_0 16) and their two scales spread over their
+ * lanes; an odd last block pairs with zeros (u = offset there, against x's zeros, and a scale
+ * of 0). */
+VNNI512_TARGET static inline __attribute__((always_inline)) void unpack_pair(int wtype, const uint8_t *row, int p,
+                                                                          int nb, __m512i *u, __m512 *dw) {
+    const int bb = block_bytes(wtype);
+    const uint8_t *b0 = row + (size_t)2 * p * bb;
+    if (wtype == LM_Q5_0P || wtype == LM_Q4_0P) {
+        *u = pair_unsigned(wtype, b0);
+        *dw = pair_scales_w(b0);
+        return;
+    }
+    const int two = 2 * p + 1 < nb;
+    const __m256i lo = unpack_avx2(wtype, b0), hi = two ? unpack_avx2(wtype, b0 + bb) : _mm256_setzero_si256();
+    *u = _mm512_add_epi8(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
+                         _mm512_set1_epi8((char)unsigned_offset(wtype)));
+    uint16_t h0, h1 = 0;
+    memcpy(&h0, b0, 2);
+    if (two) memcpy(&h1, b0 + bb, 2);
+    /* both halves' float16 scales converted at once, exactly as one at a time */
+    *dw = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short)h0)),
+                                                  _mm_set1_epi16((short)h1), 1));
+}
+
+/* Rows n0..n1 against M <= TILE_X prepared rows of x (pairs_prepare with the weights' offset),
+ * W read a row at a time, front to back: for a decode step, where each block is used once and
+ * a round trip through memory would cost more than it saves. (Four rows side by side are four
+ * streams, which the hardware prefetcher follows poorly out of memory: a 151936-row output head
+ * ran at 0.4x.) Per pair and row of x one VNNI product started from -offset * x's sums, so its
+ * integers are the signed products' exactly, and one fma of them by the two scales' product. */
+VNNI512_TARGET static inline __attribute__((always_inline)) void rows_direct(
     int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb, const xpair_t *xp, int M, float *y, int N) {
-    const int pairs = nb / 2, pb = pair_bytes(wtype);
+    const int pairs = (nb + 1) / 2;
     for (int n = n0; n < n1; n++) {
         const uint8_t *row = w + (size_t)n * row_bytes;
         __m512 acc[TILE_X];
         for (int i = 0; i < TILE_X; i++) acc[i] = _mm512_setzero_ps();
         for (int p = 0; p < pairs; p++) {
-            const uint8_t *pair = row + (size_t)p * pb;
-            const __m512i u = pair_unsigned(wtype, pair);
-            const __m512 dw = pair_scales_w(pair);
+            __m512i u;
+            __m512 dw;
+            unpack_pair(wtype, row, p, nb, &u, &dw);
             for (int i = 0; i < M; i++) {
                 const xpair_t *x = xp + (size_t)i * pairs + p;
                 const __m512i s32 = _mm512_dpbusd_epi32(x->corr, u, x->x);
@@ -415,75 +453,72 @@ VNNI512_TARGET static inline __attribute__((always_inline)) void pairs_direct(
     }
 }
 
-VNNI512_TARGET static void rows_pairs_direct(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb,
-                                             const xpair_t *xp, int M, float *y, int N) {
-    /* the layout and the count of x's rows each a constant: with M read at run time the
-     * accumulators lived in memory, and a decode step's single row paid for it */
-#define PAIRS_M(T)                                                         \
+/* every format and every count of x's rows a constant: with M read at run time the
+ * accumulators lived in memory, and a decode step's single row paid for it */
+#define DIRECT_M(T)                                                        \
     switch (M) {                                                           \
     case 0: break;                                                         \
-    case 1: pairs_direct(T, w, row_bytes, n0, n1, nb, xp, 1, y, N); break; \
-    case 2: pairs_direct(T, w, row_bytes, n0, n1, nb, xp, 2, y, N); break; \
-    case 3: pairs_direct(T, w, row_bytes, n0, n1, nb, xp, 3, y, N); break; \
-    default: pairs_direct(T, w, row_bytes, n0, n1, nb, xp, TILE_X, y, N);  \
+    case 1: rows_direct(T, w, row_bytes, n0, n1, nb, xp, 1, y, N); break;  \
+    case 2: rows_direct(T, w, row_bytes, n0, n1, nb, xp, 2, y, N); break;  \
+    case 3: rows_direct(T, w, row_bytes, n0, n1, nb, xp, 3, y, N); break;  \
+    default: rows_direct(T, w, row_bytes, n0, n1, nb, xp, TILE_X, y, N);   \
     }
-    if (wtype == LM_Q5_0P) PAIRS_M(LM_Q5_0P) else PAIRS_M(LM_Q4_0P)
-#undef PAIRS_M
-}
 
-/* A tile's weight rows unpacked, pair of blocks by pair: |w| as unsigned bytes, w's signs, and
- * the two scales; an odd last block pairs with zeros. */
+#define DIRECT_OF(T, NAME)                                                                                     \
+    VNNI512_TARGET static void NAME(const uint8_t *w, size_t row_bytes, int n0, int n1, int nb, const xpair_t *xp, \
+                                    int M, float *y, int N) {                                                  \
+        DIRECT_M(T)                                                                                            \
+    }
+DIRECT_OF(LM_Q8_0, direct_q8_0)
+DIRECT_OF(LM_Q4_0, direct_q4_0)
+DIRECT_OF(LM_Q5_0, direct_q5_0)
+DIRECT_OF(LM_Q4_0P, direct_q4_0p)
+DIRECT_OF(LM_Q5_0P, direct_q5_0p)
+#undef DIRECT_OF
+
+VNNI512_TARGET static void rows_direct_any(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb,
+                                           const xpair_t *xp, int M, float *y, int N) {
+    switch (wtype) {
+    case LM_Q8_0: direct_q8_0(w, row_bytes, n0, n1, nb, xp, M, y, N); break;
+    case LM_Q4_0: direct_q4_0(w, row_bytes, n0, n1, nb, xp, M, y, N); break;
+    case LM_Q5_0: direct_q5_0(w, row_bytes, n0, n1, nb, xp, M, y, N); break;
+    case LM_Q4_0P: direct_q4_0p(w, row_bytes, n0, n1, nb, xp, M, y, N); break;
+    default: direct_q5_0p(w, row_bytes, n0, n1, nb, xp, M, y, N);
+    }
+}
+#undef DIRECT_M
+
+/* A tile's weight rows unpacked (unpack_pair), pair by pair, TILE_W rows a pair. */
 typedef struct {
-    __m512i aw;
+    __m512i u;
     __m512 dw;
-    __mmask64 neg;
 } wpair_t;
 
 VNNI512_TARGET static void unpack_tile(int wtype, const uint8_t *const *rows, int nr, int nb, wpair_t *out) {
-    const int bb = lm_block_bytes(wtype), pairs = (nb + 1) / 2;
-    for (int r = 0; r < nr; r++) /* a row at a time, front to back (see rows_vnni512) */
+    const int pairs = (nb + 1) / 2;
+    for (int r = 0; r < nr; r++) /* a row at a time, front to back (see rows_direct) */
         for (int p = 0; p < pairs; p++) {
-            const uint8_t *b0 = rows[r] + (size_t)2 * p * bb;
             wpair_t *o = out + (size_t)p * TILE_W + r;
-            if (wtype == LM_Q5_0P || wtype == LM_Q4_0P) {
-                const __m512i w = _mm512_sub_epi8(pair_unsigned(wtype, b0), _mm512_set1_epi8((char)pair_offset(wtype)));
-                o->aw = _mm512_abs_epi8(w);
-                o->neg = _mm512_movepi8_mask(w);
-                o->dw = pair_scales_w(b0);
-                continue;
-            }
-            const int two = 2 * p + 1 < nb;
-            const __m256i lo = unpack_avx2(wtype, b0), hi = two ? unpack_avx2(wtype, b0 + bb) : _mm256_setzero_si256();
-            const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            uint16_t h0, h1 = 0;
-            memcpy(&h0, b0, 2);
-            if (two) memcpy(&h1, b0 + bb, 2);
-            o->aw = _mm512_abs_epi8(w);
-            o->neg = _mm512_movepi8_mask(w);
-            o->dw = pair_scales(_cvtsh_ss(h0), two ? _cvtsh_ss(h1) : 0.0f);
+            unpack_pair(wtype, rows[r], p, nb, &o->u, &o->dw);
         }
 }
 
+/* nr <= TILE_W unpacked weight rows against mr <= TILE_X prepared rows of x (pairs_prepare with
+ * the weights' offset): per pair, row of x and weight row, one VNNI product started from
+ * -offset * x's sums, so its integers are the signed products' exactly, then rows_direct's
+ * float steps. */
 VNNI512_TARGET static inline __attribute__((always_inline)) void tile_vnni512(
-    const wpair_t *wt, int nr, int nb, const qblock_t *const *xq, const float *const *xd, int mr, float *y,
-    size_t y_stride, int n) {
+    const wpair_t *wt, int nr, int pairs, const xpair_t *xp, int mr, float *y, size_t y_stride, int n) {
     __m512 acc[TILE_W][TILE_X];
     for (int r = 0; r < TILE_W; r++)
         for (int i = 0; i < TILE_X; i++) acc[r][i] = _mm512_setzero_ps();
-    const int pairs = (nb + 1) / 2;
     for (int p = 0; p < pairs; p++) {
-        const int b = 2 * p, two = b + 1 < nb;
         const wpair_t *w = wt + (size_t)p * TILE_W;
         for (int i = 0; i < mr; i++) {
-            /* an odd last block: 32 bytes of x, so nothing past the row is read */
-            const __m512i xv = two ? _mm512_loadu_si512((const void *)xq[i][b].q)
-                                   : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)xq[i][b].q));
-            const __m512 dx = pair_scales(xd[i][b], two ? xd[i][b + 1] : 0.0f);
+            const xpair_t *x = xp + (size_t)i * pairs + p;
             for (int r = 0; r < nr; r++) {
-                /* |w| times x with w's signs: unsigned by signed bytes, as VNNI multiplies. */
-                const __m512i sx = _mm512_mask_sub_epi8(xv, w[r].neg, _mm512_setzero_si512(), xv);
-                const __m512i s32 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[r].aw, sx);
-                acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32), _mm512_mul_ps(w[r].dw, dx), acc[r][i]);
+                const __m512i s32 = _mm512_dpbusd_epi32(x->corr, w[r].u, x->x);
+                acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32), _mm512_mul_ps(w[r].dw, x->dx), acc[r][i]);
             }
         }
     }
@@ -491,108 +526,47 @@ VNNI512_TARGET static inline __attribute__((always_inline)) void tile_vnni512(
         for (int i = 0; i < mr; i++) y[(size_t)i * y_stride + n + r] = sum16(acc[r][i]);
 }
 
-/* The same tile with its weights unpacked as it goes: for M of at most TILE_X (a decode step),
- * where each block is used once and a round trip through memory would cost more than it
- * saves. The arithmetic is tile_vnni512's, operation for operation. */
-VNNI512_TARGET static inline __attribute__((always_inline)) void tile_direct(
-    int wtype, const uint8_t *const *rows, int nr, int nb, const qblock_t *const *xq, const float *const *xd,
-    int mr, float *y, size_t y_stride, int n) {
-    const int bb = lm_block_bytes(wtype);
-    __m512 acc[TILE_W][TILE_X];
-    for (int r = 0; r < TILE_W; r++)
-        for (int i = 0; i < TILE_X; i++) acc[r][i] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b += 2) {
-        const int two = b + 1 < nb;
-        __m512i aw[TILE_W];
-        __m512 dw[TILE_W];
-        __mmask64 neg[TILE_W];
-        for (int r = 0; r < nr; r++) {
-            const uint8_t *b0 = rows[r] + (size_t)b * bb;
-            const __m256i lo = unpack_avx2(wtype, b0), hi = two ? unpack_avx2(wtype, b0 + bb) : _mm256_setzero_si256();
-            const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            uint16_t h0, h1 = 0;
-            memcpy(&h0, b0, 2);
-            if (two) memcpy(&h1, b0 + bb, 2);
-            aw[r] = _mm512_abs_epi8(w);
-            neg[r] = _mm512_movepi8_mask(w);
-            dw[r] = pair_scales(_cvtsh_ss(h0), two ? _cvtsh_ss(h1) : 0.0f);
-        }
-        for (int i = 0; i < mr; i++) {
-            const __m512i xv = two ? _mm512_loadu_si512((const void *)xq[i][b].q)
-                                   : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)xq[i][b].q));
-            const __m512 dx = pair_scales(xd[i][b], two ? xd[i][b + 1] : 0.0f);
-            for (int r = 0; r < nr; r++) {
-                const __m512i sx = _mm512_mask_sub_epi8(xv, neg[r], _mm512_setzero_si512(), xv);
-                const __m512i s32 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw[r], sx);
-                acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32), _mm512_mul_ps(dw[r], dx), acc[r][i]);
-            }
-        }
-    }
-    for (int r = 0; r < nr; r++)
-        for (int i = 0; i < mr; i++) y[(size_t)i * y_stride + n + r] = sum16(acc[r][i]);
-}
-
-/* M <= TILE_X: one tile of x, and W read a row at a time, front to back. (Four rows side by
- * side are four streams, which the hardware prefetcher follows poorly out of memory: a
- * 151936-row output head ran at 0.4x.) The format and M each a constant, as on AVX2. */
-VNNI512_TARGET static inline __attribute__((always_inline)) void rows_direct(
-    int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb, const qblock_t *xq, const float *xd, int M,
-    float *y, int N) {
-    const qblock_t *xs[TILE_X];
-    const float *ds[TILE_X];
-    for (int i = 0; i < TILE_X; i++) {
-        xs[i] = xq + (size_t)(i < M ? i : 0) * nb;
-        ds[i] = xd + (size_t)(i < M ? i : 0) * nb;
-    }
-    for (int n = n0; n < n1; n++) {
-        const uint8_t *row[1] = {w + (size_t)n * row_bytes};
-        switch (M) {
-        case 0: break;
-        case 1: tile_direct(wtype, row, 1, nb, xs, ds, 1, y, N, n); break;
-        case 2: tile_direct(wtype, row, 1, nb, xs, ds, 2, y, N, n); break;
-        case 3: tile_direct(wtype, row, 1, nb, xs, ds, 3, y, N, n); break;
-        default: tile_direct(wtype, row, 1, nb, xs, ds, TILE_X, y, N, n);
-        }
-    }
-}
-
-/* Returns 0, or -1 when the scratch for the unpacked tile cannot be had. */
+/* M > TILE_X. Returns 0, or -1 when the scratch for the unpacked tile cannot be had. */
 VNNI512_TARGET static int rows_vnni512(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb,
                                        const qblock_t *xq, const float *xd, int M, float *y, int N) {
-    if (M <= TILE_X) { /* Q8_0, Q5_0, Q4_0: the pairs' M <= TILE_X go to rows_pairs_direct */
-        switch (wtype) {
-        case LM_Q8_0: rows_direct(LM_Q8_0, w, row_bytes, n0, n1, nb, xq, xd, M, y, N); break;
-        case LM_Q4_0: rows_direct(LM_Q4_0, w, row_bytes, n0, n1, nb, xq, xd, M, y, N); break;
-        default: rows_direct(LM_Q5_0, w, row_bytes, n0, n1, nb, xq, xd, M, y, N);
-        }
-        return 0;
+    /* M > TILE_X: tiles of TILE_W weight rows, each unpacked once for a chunk of x's rows made
+     * ready (pairs_prepare) in at most X_CHUNK_BYTES, which a core's cache holds while the
+     * chunk is read once for every tile */
+    const int pairs = (nb + 1) / 2;
+    int chunk = (int)(X_CHUNK_BYTES / (sizeof(xpair_t) * (size_t)pairs)) / TILE_X * TILE_X;
+    if (chunk < TILE_X) chunk = TILE_X;
+    if (chunk > M) chunk = M;
+    wpair_t *wt = aligned_alloc(64, sizeof(wpair_t) * TILE_W * (size_t)pairs);
+    xpair_t *xp = aligned_alloc(64, sizeof(xpair_t) * (size_t)pairs * chunk);
+    if (wt == NULL || xp == NULL) {
+        free(wt);
+        free(xp);
+        return -1;
     }
-    wpair_t *wt = aligned_alloc(64, sizeof(wpair_t) * TILE_W * (size_t)((nb + 1) / 2));
-    if (wt == NULL) return -1;
-    for (int n = n0; n < n1; n += TILE_W) {
-        const int nr = n1 - n < TILE_W ? n1 - n : TILE_W;
-        const uint8_t *rows[TILE_W];
-        for (int r = 0; r < nr; r++) rows[r] = w + (size_t)(n + r) * row_bytes;
-        unpack_tile(wtype, rows, nr, nb, wt); /* once for all M rows of x */
-        for (int m0 = 0; m0 < M; m0 += TILE_X) {
-            const int mr = M - m0 < TILE_X ? M - m0 : TILE_X;
-            const qblock_t *xs[TILE_X];
-            const float *ds[TILE_X];
-            for (int i = 0; i < TILE_X; i++) {
-                const int m = m0 + (i < mr ? i : 0);
-                xs[i] = xq + (size_t)m * nb;
-                ds[i] = xd + (size_t)m * nb;
+    const int offset = unsigned_offset(wtype);
+    for (int c0 = 0; c0 < M; c0 += chunk) {
+        const int cn = M - c0 < chunk ? M - c0 : chunk;
+        pairs_prepare(offset, xq + (size_t)c0 * nb, xd + (size_t)c0 * nb, cn, nb, xp);
+        for (int n = n0; n < n1; n += TILE_W) {
+            const int nr = n1 - n < TILE_W ? n1 - n : TILE_W;
+            const uint8_t *rows[TILE_W];
+            for (int r = 0; r < nr; r++) rows[r] = w + (size_t)(n + r) * row_bytes;
+            unpack_tile(wtype, rows, nr, nb, wt); /* once for the chunk's rows of x */
+            for (int m0 = 0; m0 < cn; m0 += TILE_X) {
+                const int mr = cn - m0 < TILE_X ? cn - m0 : TILE_X;
+                const xpair_t *xt = xp + (size_t)m0 * pairs;
+                float *yt = y + (size_t)(c0 + m0) * N;
+                /* Constant tile sizes, so the accumulators stay in registers. */
+                if (nr < TILE_W) tile_vnni512(wt, nr, pairs, xt, mr, yt, N, n);
+                else if (mr == TILE_X) tile_vnni512(wt, TILE_W, pairs, xt, TILE_X, yt, N, n);
+                else if (mr == 1) tile_vnni512(wt, TILE_W, pairs, xt, 1, yt, N, n);
+                else if (mr == 2) tile_vnni512(wt, TILE_W, pairs, xt, 2, yt, N, n);
+                else tile_vnni512(wt, TILE_W, pairs, xt, 3, yt, N, n);
             }
-            float *yt = y + (size_t)m0 * N;
-            /* Constant tile sizes for the common cases, so the accumulators stay in registers. */
-            if (nr < TILE_W) tile_vnni512(wt, nr, nb, xs, ds, mr, yt, N, n);
-            else if (mr == TILE_X) tile_vnni512(wt, TILE_W, nb, xs, ds, TILE_X, yt, N, n);
-            else if (mr == 1) tile_vnni512(wt, TILE_W, nb, xs, ds, 1, yt, N, n);
-            else if (mr == 2) tile_vnni512(wt, TILE_W, nb, xs, ds, 2, yt, N, n);
-            else tile_vnni512(wt, TILE_W, nb, xs, ds, 3, yt, N, n);
         }
     }
     free(wt);
+    free(xp);
     return 0;
 }
 
@@ -603,7 +577,7 @@ VNNI512_TARGET static int rows_vnni512(int wtype, const uint8_t *w, size_t row_b
  * fma per block, and the 16 lanes are added in lm_sum16's order. */
 static void rows_scalar(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nb,
                         const qblock_t *xq, const float *xd, int M, float *y, int N) {
-    const int bb = lm_block_bytes(wtype);
+    const int bb = block_bytes(wtype);
     int8_t q[QK];
     for (int n = n0; n < n1; n++) {
         const uint8_t *row = w + (size_t)n * row_bytes;
@@ -644,8 +618,8 @@ typedef struct {
     const qblock_t *xq;
     const float *xd;
     const float *dt; /* tile_scales, for the 256-bit loops */
-    const void *xp; /* the rows of x prepared: pairs (Q4_0P, Q5_0P) with M <= TILE_X (xpair_t), or
-                       AVX-VNNI's start values (__m256i per block) */
+    const void *xp; /* the rows of x prepared: AVX-512's with M <= TILE_X (xpair_t per pair of
+                       blocks), or AVX-VNNI's and AVX2's pairs' start values (__m256i per block) */
     float *y;
     volatile int failed; /* a part could not have its scratch */
 } mm_job_t;
@@ -659,7 +633,7 @@ static void mm_part(void *p, int part, int parts) {
 #ifdef LM_X86
     if (J->level == LM_ISA_AVX512VNNI) {
         if (J->xp != NULL) {
-            rows_pairs_direct(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, (const xpair_t *)J->xp, J->M, J->y, J->N);
+            rows_direct_any(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, (const xpair_t *)J->xp, J->M, J->y, J->N);
             return;
         }
         if (rows_vnni512(J->wtype, J->w, J->row_bytes, n0, n1, J->nb, J->xq, J->xd, J->M, J->y, J->N) == 0) return;
@@ -703,7 +677,7 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
     if (M < 0 || N < 0) return LM_EINVAL;
     if (lm_kquant_bytes(wtype) != 0) /* kquant.c */
         return lm_qmatmul_k(x, M, K, w, wtype, N, y, n_threads, force_scalar ? LM_ISA_SCALAR : lm_isa());
-    const int bb = lm_block_bytes(wtype);
+    const int bb = block_bytes(wtype);
     if (bb == 0 || K % QK != 0 || M < 0 || N < 0) return LM_EINVAL;
     int level = force_scalar ? LM_ISA_SCALAR : lm_isa();
     /* pairs of blocks, read by the vector loops (lm_repack makes them), not the portable one */
@@ -720,9 +694,9 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
 #ifdef LM_X86
     /* AVX-VNNI, and pairs on AVX2: the unsigned products' start values */
     xc_needed = level == LM_ISA_AVXVNNI || (in_pairs && level == LM_ISA_AVX2);
-    xp_needed = (in_pairs && M <= TILE_X && level == LM_ISA_AVX512VNNI) || xc_needed;
+    xp_needed = (M <= TILE_X && level == LM_ISA_AVX512VNNI) || xc_needed;
     if (xc_needed) xp = aligned_alloc(32, sizeof(__m256i) * ((size_t)M * nb + 1));
-    else if (xp_needed) xp = aligned_alloc(64, sizeof(xpair_t) * ((size_t)M * nb / 2 + 1));
+    else if (xp_needed) xp = aligned_alloc(64, sizeof(xpair_t) * ((size_t)M * ((nb + 1) / 2) + 1));
 #endif
     if (xq == NULL || xd == NULL || (xp_needed && xp == NULL)) {
         free(xq);
@@ -741,7 +715,7 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
         return LM_ENOMEM;
     }
     if (xc_needed) unsigned_corrections(unsigned_offset(wtype), xq, (size_t)M * nb, (__m256i *)xp);
-    else if (xp != NULL) pairs_prepare(wtype, xq, xd, M, nb, (xpair_t *)xp);
+    else if (xp != NULL) pairs_prepare(unsigned_offset(wtype), xq, xd, M, nb, (xpair_t *)xp);
 #endif
     mm_job_t J = {level, wtype, w, (size_t)nb * bb, N, nb, M, xq, xd, dt, xp, y, 0};
     int parts = n_threads < 1 ? 1 : n_threads;
@@ -823,7 +797,7 @@ int lm_repack(const uint8_t *w, int packed, int N, int K, uint8_t *out, int reve
 /* W's rows as float32, unpacked as the matmul unpacks them (the tests compare this with the
  * gguf package's dequantization). */
 int lm_dequantize(const uint8_t *w, int wtype, int N, int K, float *out) {
-    const int bb = lm_block_bytes(wtype);
+    const int bb = block_bytes(wtype);
     if (bb == 0 || K % QK != 0) return LM_EINVAL;
     const int nb = K / QK;
     int8_t q[QK];

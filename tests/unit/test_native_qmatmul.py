@@ -184,3 +184,21 @@ def test_every_tile_of_rows_gives_the_portable_loops_bits(kind):
         want = native.qmatmul(x[:m], blocks, file_kind, force_scalar=True)
         for threads in (1, 2):
             assert torch.equal(native.qmatmul(x[:m], weights, kind, n_threads=threads), want), (m, threads)
+
+
+@vector
+@pytest.mark.parametrize("kind", KINDS + ["Q5_0P"])
+def test_many_rows_of_x_against_long_rows_give_the_portable_loops_bits(kind):
+    """Past 4 rows of x the AVX-512 loops make x ready in chunks that a core's cache holds
+    (512 KiB: 4 rows of x at this length) and unpack each tile of weight rows once a chunk:
+    rows of x in three chunks, the last a part, and an odd last block give the portable loop's
+    bits."""
+    rng = np.random.default_rng(12)
+    file_kind = "Q5_0" if kind == "Q5_0P" else kind
+    k = 32 * (684 if kind == "Q5_0P" else 683)  # 683 blocks: an odd last one
+    blocks = blocks_of(rng.standard_normal((9, k)).astype(np.float32), file_kind)
+    weights = native.repack(blocks, file_kind, packed=kind) if kind != file_kind else blocks
+    x = torch.from_numpy(rng.standard_normal((11, k)).astype(np.float32))
+    want = native.qmatmul(x, blocks, file_kind, force_scalar=True)
+    for threads in (1, 2):
+        assert torch.equal(native.qmatmul(x, weights, kind, n_threads=threads), want), threads
