@@ -173,6 +173,8 @@ def main() -> None:
     cost = engine.drafter.cost
     print(f"\nA step of 2 tokens cost {cost.seconds(2) / cost.seconds(1):.2f}x a step of 1 "
           f"(checking drafts is {'cheap' if engine.drafter.verifying_is_cheap() else 'dear'} here).")
+    print("The Drafter's cost curve, milliseconds a step by its tokens: "
+          + ", ".join(f"{n:.0f} -> {1000 * t:.1f}" for n, t in cost.points()))
     engine.close()
 
 

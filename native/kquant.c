@@ -84,6 +84,26 @@ static void quantize_row_k(const float *x, int nsb, xk_t *out) {
     }
 }
 
+typedef struct {
+    const float *x;
+    int K, nsb, M;
+    xk_t *xk;
+} quantize_k_job_t;
+
+static void quantize_k_part(void *p, int part, int parts) {
+    const quantize_k_job_t *J = (const quantize_k_job_t *)p;
+    const int m0 = (int)((int64_t)J->M * part / parts), m1 = (int)((int64_t)J->M * (part + 1) / parts);
+    for (int m = m0; m < m1; m++) quantize_row_k(J->x + (size_t)m * J->K, J->nsb, J->xk + (size_t)m * J->nsb);
+}
+
+/* The M rows of x, shared out over the threads where there are enough of them (a prompt
+ * step's: on one thread, the others waited for it). */
+static void quantize_rows_k(const float *x, int M, int K, int nsb, xk_t *xk, int n_threads) {
+    quantize_k_job_t J = {x, K, nsb, M, xk};
+    const int parts = (size_t)M * nsb >= 128 && n_threads > 1 ? (n_threads < M ? n_threads : M) : 1;
+    lm_pool_run(quantize_k_part, &J, parts);
+}
+
 /* Q4_K's and Q5_K's 12 bytes of 6-bit scales and mins as 8 scale bytes then 8 min bytes. */
 static inline void k4_scales(const uint8_t *packed, uint32_t out[4]) {
     const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
@@ -489,7 +509,7 @@ int lm_qmatmul_k(const float *x, int M, int K, const uint8_t *w, int wtype, int 
     const int nsb = K / QKK;
     xk_t *xk = aligned_alloc(64, sizeof(xk_t) * ((size_t)M * nsb + 1));
     if (xk == NULL) return LM_ENOMEM;
-    for (int m = 0; m < M; m++) quantize_row_k(x + (size_t)m * K, nsb, xk + (size_t)m * nsb);
+    quantize_rows_k(x, M, K, nsb, xk, n_threads);
     kmm_job_t J = {level, wtype, w, (size_t)nsb * sb, N, nsb, M, xk, y};
     int parts = n_threads < 1 ? 1 : n_threads;
     if ((size_t)N * nsb < 512) parts = 1; /* too small to share out */

@@ -328,7 +328,8 @@ PAIRS_LOOP(pairs_vnni, VNNI_TARGET, DOTU_VNNI)
  * Two blocks fill a 512-bit vector (lanes 0-7 the first, 8-15 the second); each pair of a
  * weight row and a row of x keeps its own float32 accumulator, to which every block pair adds
  * its integer sums times d_w * d_x, in block order. So a row of y is computed alike whatever
- * rows surround it in the tile or the batch. */
+ * rows surround it in the tile or the batch. Every format's weights go in unsigned, u = w +
+ * offset, against x made ready once (pairs_prepare): see the pairs below. */
 #define VNNI512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
 #define TILE_W 4
 #define TILE_X 4
@@ -353,11 +354,10 @@ VNNI512_TARGET static inline __m512 pair_scales(float a, float b) {
  * Lane i holds u = nibble (+ 16 * high bit) and the weight is u - 8 (Q4_0) or u - 16 (Q5_0),
  * so a block's products are sum(u * x) - offset * sum(x): VNNI multiplies the unsigned u by the
  * signed x and adds to a start value, and the start value -offset * (x's sums per 4 lanes) is
- * made once per row of x. Each lane's integer sum is the one the sign trick gives, and the
- * floating-point steps are tile_vnni512's, so the results are the same bits as for the file's
- * blocks. */
-
-static inline int pair_bytes(int wtype) { return wtype == LM_Q5_0P ? 44 : 36; }
+ * made once per row of x. Each lane's integer sum is the signed products' exactly, and the
+ * floating-point steps are the same for every format, so the results are the same bits as for
+ * the file's blocks. Q4_0, Q5_0 and Q8_0 go the same way on this tier (unpack_pair): u = w + 8,
+ * + 16, + 128. */
 
 VNNI512_TARGET static inline __m512i pair_unsigned(int wtype, const uint8_t *pair) {
     const int hb_bytes = wtype == LM_Q5_0P ? 8 : 0;
@@ -609,6 +609,71 @@ static void quantize_row(const float *x, int nb, qblock_t *q, float *d) {
     }
 }
 
+#ifdef LM_X86
+/* quantize_row in AVX2, the same bytes and scales for every finite x: the largest magnitude
+ * (a NaN passed over, as fmaxf does), each value times inv rounded to nearest even as
+ * nearbyintf rounds, the scale through float16 and back. The portable one calls fmaxf,
+ * nearbyintf and a float16 conversion from the C library a value, which made a prompt step's
+ * quantizing a few per cent of it, on one thread while the others waited. */
+AVX2_TARGET static void quantize_row_avx2(const float *x, int nb, qblock_t *q, float *d) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int b = 0; b < nb; b++) {
+        const float *v = x + (size_t)b * QK;
+        __m256 a[4], m = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            a[k] = _mm256_loadu_ps(v + 8 * k);
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, a[k]), m); /* a NaN gives m back */
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float amax = _mm_cvtss_f32(h);
+        const float scale = amax / 127.0f, inv = amax != 0.0f ? 127.0f / amax : 0.0f;
+        __m256i i32[4];
+        for (int k = 0; k < 4; k++)
+            i32[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(a[k], _mm256_set1_ps(inv)),
+                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        /* 32 values in -127..127: packed to 16 then 8 bits, in order again */
+        const __m256i i16 = _mm256_packs_epi32(i32[0], i32[1]), j16 = _mm256_packs_epi32(i32[2], i32[3]);
+        _mm256_storeu_si256((__m256i *)q[b].q, _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16, j16), order));
+        d[b] = _cvtsh_ss(_cvtss_sh(scale, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+}
+#endif
+
+typedef struct {
+    const float *x;
+    int K, nb, M, vector;
+    qblock_t *xq;
+    float *xd;
+} quantize_job_t;
+
+static void quantize_part(void *p, int part, int parts) {
+    const quantize_job_t *J = (const quantize_job_t *)p;
+    const int m0 = (int)((int64_t)J->M * part / parts), m1 = (int)((int64_t)J->M * (part + 1) / parts);
+    for (int m = m0; m < m1; m++) {
+        const float *x = J->x + (size_t)m * J->K;
+        qblock_t *q = J->xq + (size_t)m * J->nb;
+        float *d = J->xd + (size_t)m * J->nb;
+#ifdef LM_X86
+        if (J->vector) {
+            quantize_row_avx2(x, J->nb, q, d);
+            continue;
+        }
+#endif
+        quantize_row(x, J->nb, q, d);
+    }
+}
+
+/* The M rows of x to 8-bit blocks, shared out over the threads where there are enough of them
+ * (a prompt step's), on the AVX2 loop wherever the tier has it. */
+static void quantize_rows(const float *x, int M, int K, int nb, qblock_t *xq, float *xd, int level, int n_threads) {
+    quantize_job_t J = {x, K, nb, M, level >= LM_ISA_AVX2, xq, xd};
+    const int parts = (size_t)M * nb >= 1024 && n_threads > 1 ? (n_threads < M ? n_threads : M) : 1;
+    lm_pool_run(quantize_part, &J, parts);
+}
+
 typedef struct {
     int level; /* lm_isa()'s tier, or LM_ISA_SCALAR */
     int wtype;
@@ -704,7 +769,7 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
         free(xp);
         return LM_ENOMEM;
     }
-    for (int m = 0; m < M; m++) quantize_row(x + (size_t)m * K, nb, xq + (size_t)m * nb, xd + (size_t)m * nb);
+    quantize_rows(x, M, K, nb, xq, xd, level, n_threads);
 #ifdef LM_X86
     /* the 256-bit loops' scales for tiles of 2 rows of x and more (also AVX-512's fallback when
      * a tile's scratch cannot be had); a decode step's single row reads none, so makes none */

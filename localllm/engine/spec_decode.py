@@ -116,9 +116,13 @@ class StepCost:
         rate = seconds / num_tokens
         self._floor = rate if self._floor is None else min(self._floor, rate)
 
+    def points(self) -> list[tuple[float, float]]:
+        """The learned curve: (tokens, seconds) per bucket, by tokens."""
+        return sorted(self._points.values())
+
     def seconds(self, num_tokens: int) -> float | None:
         """The expected time of a step of num_tokens; None before any decode step was timed."""
-        points = sorted(self._points.values())
+        points = self.points()
         if not points:
             return None
         n0, t0 = points[0]

@@ -187,18 +187,46 @@ def test_every_tile_of_rows_gives_the_portable_loops_bits(kind):
 
 
 @vector
-@pytest.mark.parametrize("kind", KINDS + ["Q5_0P"])
+@pytest.mark.parametrize("kind", KINDS + ["Q5_0P"] + K_QUANTS)
 def test_many_rows_of_x_against_long_rows_give_the_portable_loops_bits(kind):
     """Past 4 rows of x the AVX-512 loops make x ready in chunks that a core's cache holds
     (512 KiB: 4 rows of x at this length) and unpack each tile of weight rows once a chunk:
     rows of x in three chunks, the last a part, and an odd last block give the portable loop's
-    bits."""
+    bits. So many rows are quantized over the threads (the K-quants' too)."""
     rng = np.random.default_rng(12)
     file_kind = "Q5_0" if kind == "Q5_0P" else kind
-    k = 32 * (684 if kind == "Q5_0P" else 683)  # 683 blocks: an odd last one
-    blocks = blocks_of(rng.standard_normal((9, k)).astype(np.float32), file_kind)
+    if kind in K_QUANTS:
+        k = 256 * 19
+        blocks = k_blocks(rng, 9, k, kind)
+    else:
+        k = 32 * (684 if kind == "Q5_0P" else 683)  # 683 blocks: an odd last one
+        blocks = blocks_of(rng.standard_normal((9, k)).astype(np.float32), file_kind)
     weights = native.repack(blocks, file_kind, packed=kind) if kind != file_kind else blocks
     x = torch.from_numpy(rng.standard_normal((11, k)).astype(np.float32))
     want = native.qmatmul(x, blocks, file_kind, force_scalar=True)
     for threads in (1, 2):
         assert torch.equal(native.qmatmul(x, weights, kind, n_threads=threads), want), threads
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_x_is_quantized_alike_on_every_tier_ties_and_nans_included(threads):
+    """x's 8-bit blocks are made by the vector loop where the tier has one, over the threads
+    when x has many rows: the same bytes and scales as the portable loop's, values that fall
+    exactly half-way rounded to even (127 first makes the block's scale 1), NaNs passed over
+    when the block's largest magnitude is found. Read back through an identity in Q8_0."""
+    k, m = 1024, 40  # 40 x 32 blocks: enough to share out
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((m, k)).astype(np.float32) * 40
+    ties = x[:20].reshape(20, -1, 32)
+    ties[:, :, 0] = 127
+    ties[:, :, 1:] = rng.integers(-126, 126, ties[:, :, 1:].shape) + 0.5
+    x[20, 30] = np.nan  # in the last 8 of its block
+    eye = blocks_of(np.eye(k, dtype=np.float32)[:96], "Q8_0")  # y[:, n] reads x's value n
+    xt = torch.from_numpy(x)
+    got = native.qmatmul(xt, eye, "Q8_0", n_threads=threads)
+    want = native.qmatmul(xt, eye, "Q8_0", force_scalar=True)
+    assert torch.equal(got[:20], want[:20]) and torch.equal(got[21:], want[21:])
+    others = [n for n in range(96) if n != 30]  # (the NaN's own byte is whatever its conversion gives)
+    assert torch.equal(got[20, others], want[20, others])
+    one = blocks_of(np.ones((1, 32), dtype=np.float32), "Q8_0")[0, :2].view(torch.float16).item()
+    assert torch.equal(got[:20, 1:32], torch.from_numpy((127 * np.rint(ties[:, 0, 1:])) * np.float32(one)))
