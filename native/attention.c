@@ -147,10 +147,15 @@ static inline __attribute__((always_inline)) void item_body(const job_t *J, cons
 
     const int hi = first_pos + r1 - 1;
     int lo = 0;
+    /* With a window, the walk starts at the block that holds the tile's first visible key and
+     * reads every block whole, each query's keys out of its window masked: a key's place in its
+     * block's lanes, and so the order of the sums, is then the same whatever rows share the
+     * tile (it began at that key, and a position decoded alone differed from the same
+     * position in a prompt's chunk: a restart's prefix hit changed Gemma 3's answer). */
     if (J->n_swa > 0) { lo = first_pos + r0 - J->n_swa + 1; if (lo < 0) lo = 0; }
     for (int b0 = (lo / bs) * bs; b0 <= hi; b0 += bs) {
         const int blk = table[b0 / bs];
-        const int j0 = b0 > lo ? b0 : lo, j1 = b0 + bs - 1 < hi ? b0 + bs - 1 : hi, n = j1 - j0 + 1;
+        const int j0 = b0, j1 = b0 + bs - 1 < hi ? b0 + bs - 1 : hi, n = j1 - j0 + 1; /* whole blocks: see lo */
         const size_t row0 = (size_t)blk * bs + (j0 - b0);
         load_rows(J->k, J->k_scales, J->kv_type, row0, kvh, J->n_kv, n, D, kb);
         load_rows(J->v, J->v_scales, J->kv_type, row0, kvh, J->n_kv, n, D, vb);
@@ -368,6 +373,11 @@ AVX512 static inline __attribute__((always_inline)) void item_avx512(const job_t
 
     const int hi = first_pos + r1 - 1;
     int lo = 0;
+    /* With a window, the walk starts at the block that holds the tile's first visible key and
+     * reads every block whole, each query's keys out of its window masked: a key's place in its
+     * block's lanes, and so the order of the sums, is then the same whatever rows share the
+     * tile (it began at that key, and a position decoded alone differed from the same
+     * position in a prompt's chunk: a restart's prefix hit changed Gemma 3's answer). */
     if (J->n_swa > 0) { lo = first_pos + r0 - J->n_swa + 1; if (lo < 0) lo = 0; }
     const int b_first = lo / 16, n_blocks = hi / 16 - b_first + 1;
     const size_t pst = (size_t)n_blocks * 16; /* one query's scores (then probabilities), all blocks */
@@ -395,7 +405,7 @@ AVX512 static inline __attribute__((always_inline)) void item_avx512(const job_t
     const size_t elt = KV == LM_KV_F32 ? 4 : KV == LM_KV_F16 ? 2 : 1;
     for (int bi = 0; bi < n_blocks; bi++) {
         const int b0 = (b_first + bi) * 16, blk = table[b0 / 16];
-        const int j0 = b0 > lo ? b0 : lo, j1 = b0 + 15 < hi ? b0 + 15 : hi, n = j1 - j0 + 1;
+        const int j0 = b0, j1 = b0 + 15 < hi ? b0 + 15 : hi, n = j1 - j0 + 1; /* whole blocks: see lo */
         const size_t row0 = (size_t)blk * 16 + (j0 - b0);
         prefetch_ahead(J->k, table, b0, hi, stride, (size_t)kvh * D, D, elt);
         float ksc[16];
@@ -442,7 +452,7 @@ AVX512 static inline __attribute__((always_inline)) void item_avx512(const job_t
     }
     for (int bi = 0; bi < n_blocks; bi++) {
         const int b0 = (b_first + bi) * 16, blk = table[b0 / 16];
-        const int j0 = b0 > lo ? b0 : lo, j1 = b0 + 15 < hi ? b0 + 15 : hi, n = j1 - j0 + 1;
+        const int j0 = b0, j1 = b0 + 15 < hi ? b0 + 15 : hi, n = j1 - j0 + 1; /* whole blocks: see lo */
         const size_t row0 = (size_t)blk * 16 + (j0 - b0);
         prefetch_ahead(J->v, table, b0, hi, stride, (size_t)kvh * D, D, elt);
         float vsc[16];
@@ -628,6 +638,11 @@ AVX2A static inline __attribute__((always_inline)) void item_avx2(const job_t *J
 
     const int hi = first_pos + r1 - 1;
     int lo = 0;
+    /* With a window, the walk starts at the block that holds the tile's first visible key and
+     * reads every block whole, each query's keys out of its window masked: a key's place in its
+     * block's lanes, and so the order of the sums, is then the same whatever rows share the
+     * tile (it began at that key, and a position decoded alone differed from the same
+     * position in a prompt's chunk: a restart's prefix hit changed Gemma 3's answer). */
     if (J->n_swa > 0) { lo = first_pos + r0 - J->n_swa + 1; if (lo < 0) lo = 0; }
     const int b_first = lo / 16, n_blocks = hi / 16 - b_first + 1;
     const size_t pst = (size_t)n_blocks * 16;
@@ -655,7 +670,7 @@ AVX2A static inline __attribute__((always_inline)) void item_avx2(const job_t *J
     const size_t elt = KV == LM_KV_F32 ? 4 : KV == LM_KV_F16 ? 2 : 1;
     for (int bi = 0; bi < n_blocks; bi++) {
         const int b0 = (b_first + bi) * 16, blk = table[b0 / 16];
-        const int j0 = b0 > lo ? b0 : lo, j1 = b0 + 15 < hi ? b0 + 15 : hi, n = j1 - j0 + 1;
+        const int j0 = b0, j1 = b0 + 15 < hi ? b0 + 15 : hi, n = j1 - j0 + 1; /* whole blocks: see lo */
         const size_t row0 = (size_t)blk * 16 + (j0 - b0);
         prefetch_ahead8(J->k, table, b0, hi, stride, (size_t)kvh * D, D, elt);
         float ksc[16];
@@ -716,7 +731,7 @@ AVX2A static inline __attribute__((always_inline)) void item_avx2(const job_t *J
     }
     for (int bi = 0; bi < n_blocks; bi++) {
         const int b0 = (b_first + bi) * 16, blk = table[b0 / 16];
-        const int j0 = b0 > lo ? b0 : lo, j1 = b0 + 15 < hi ? b0 + 15 : hi, n = j1 - j0 + 1;
+        const int j0 = b0, j1 = b0 + 15 < hi ? b0 + 15 : hi, n = j1 - j0 + 1; /* whole blocks: see lo */
         const size_t row0 = (size_t)blk * 16 + (j0 - b0);
         prefetch_ahead8(J->v, table, b0, hi, stride, (size_t)kvh * D, D, elt);
         float vsc[16];

@@ -282,6 +282,32 @@ def test_native_decode_row_equals_its_row_in_a_verify_step(dtype):
 
 
 @pytest.mark.skipif(not native.available(), reason="localllm._native was not built here")
+@pytest.mark.parametrize("hd, n_swa", [(64, 0), (64, 37), (256, 37)])
+def test_native_prompt_rows_equal_those_positions_computed_alone(hd, n_swa):
+    """Bit for bit, with a sliding window too: the last row of a prompt's chunk, whatever its
+    length, equals that position computed alone, as a restart's disk prefix hit computes it
+    (the window's first key had set where the lanes began, and Gemma 3 answered otherwise
+    after a restart)."""
+    g = torch.Generator().manual_seed(hd + n_swa)
+    n_head, n_kv, length = 4, 1, 300
+    pool = KVPool(1, num_blocks=24, block_size=16, n_kv_heads=n_kv, head_dim=hd, dtype=torch.float16)
+    table = list(range(24))[::-1]
+    pool.write(0, block_slots(table, length, 16), torch.randn(length, n_kv, hd, generator=g),
+               torch.randn(length, n_kv, hd, generator=g))
+    q = torch.randn(length, n_head, hd, generator=g)
+
+    def attend(start, num, threads):
+        batch = AttnBatch.build([(table, start, num, num == 1)], 16, "cpu", native=True)
+        return native.paged_attention(q[start:start + num], pool.k[0], pool.v[0], batch.native_meta, hd ** -0.5,
+                                      n_swa, threads)
+
+    for p in (150, 203, 299):
+        alone = attend(p, 1, 1)
+        for num, threads in ((2, 1), (5, 2), (9, 1), (64, 2), (p + 1, 1)):
+            assert torch.equal(attend(p + 1 - num, num, threads)[-1:], alone), (p, num)
+
+
+@pytest.mark.skipif(not native.available(), reason="localllm._native was not built here")
 def test_native_attention_refuses_a_pool_it_cannot_read():
     g = torch.Generator().manual_seed(6)
     pool, seqs = scattered_batch(g, torch.bfloat16, 2, 64, [20], [1])
