@@ -364,6 +364,7 @@ VNNI512_TARGET static inline __attribute__((always_inline)) void q6k_rows_512(
         for (int i = 0; i < TILE_X; i++) acc[i] = _mm512_setzero_ps();
         for (int s = 0; s < nsb; s++) {
             const uint8_t *b = row + (size_t)s * 210;
+            for (int o = 0; o < 210; o += 64) LM_PREFETCH(b + o);
             const float dw = f16_at(b + 208);
             const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)));
             __m512i isum[TILE_X];
@@ -410,6 +411,7 @@ VNNI512_TARGET static inline __attribute__((always_inline)) void q4k_rows_512(
         }
         for (int s = 0; s < nsb; s++) {
             const uint8_t *b = row + (size_t)s * 144;
+            for (int o = 0; o < 144; o += 64) LM_PREFETCH(b + o);
             const float dw = f16_at(b), dmin = f16_at(b + 2);
             uint32_t sm[4];
             k4_scales(b + 4, sm);

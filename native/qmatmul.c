@@ -426,6 +426,15 @@ VNNI512_TARGET static inline __attribute__((always_inline)) void unpack_pair(int
                                                   _mm_set1_epi16((short)h1), 1));
 }
 
+/* Ask for the lines LM_PREFETCH_BYTES past pair p of a row: the hardware prefetcher alone read
+ * the weights from memory at two thirds of the speed on an Intel Xeon (Sapphire Rapids class). */
+VNNI512_TARGET static inline __attribute__((always_inline)) void prefetch_pair(int wtype, const uint8_t *row, int p) {
+    const int bb = block_bytes(wtype);
+    const uint8_t *pair = row + (size_t)2 * p * bb;
+    LM_PREFETCH(pair);
+    if (2 * bb > 64) LM_PREFETCH(pair + 64);
+}
+
 /* Rows n0..n1 against M <= TILE_X prepared rows of x (pairs_prepare with the weights' offset),
  * W read a row at a time, front to back: for a decode step, where each block is used once and
  * a round trip through memory would cost more than it saves. (Four rows side by side are four
@@ -440,6 +449,7 @@ VNNI512_TARGET static inline __attribute__((always_inline)) void rows_direct(
         __m512 acc[TILE_X];
         for (int i = 0; i < TILE_X; i++) acc[i] = _mm512_setzero_ps();
         for (int p = 0; p < pairs; p++) {
+            prefetch_pair(wtype, row, p);
             __m512i u;
             __m512 dw;
             unpack_pair(wtype, row, p, nb, &u, &dw);
@@ -499,6 +509,7 @@ VNNI512_TARGET static void unpack_tile(int wtype, const uint8_t *const *rows, in
     for (int r = 0; r < nr; r++) /* a row at a time, front to back (see rows_direct) */
         for (int p = 0; p < pairs; p++) {
             wpair_t *o = out + (size_t)p * TILE_W + r;
+            prefetch_pair(wtype, rows[r], p);
             unpack_pair(wtype, rows[r], p, nb, &o->u, &o->dw);
         }
 }
