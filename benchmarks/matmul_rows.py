@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import time
 from collections import defaultdict
 
@@ -68,7 +69,9 @@ def main() -> None:
     layers = block_layers(runner.model)
     builds = {"this build": native.library().lm_qmatmul}
     if args.against:
-        other = ctypes.CDLL(args.against).lm_qmatmul
+        lib = ctypes.CDLL(args.against)
+        native._force_isa(lib, os.environ.get(native.ISA_VARIABLE, ""))  # the same tier as this build
+        other = lib.lm_qmatmul
         other.restype = ctypes.c_int
         other.argtypes = native.library().lm_qmatmul.argtypes
         builds = {"--against": other, **builds}

@@ -194,6 +194,7 @@ static void rows_scalar(int wtype, const uint8_t *w, size_t row_bytes, int n0, i
 #define TILE_X 4 /* rows of x at a time */
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define VNNI_TARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
 
 AVX2_TARGET static inline float sum8_avx2(__m256 v) { /* lm_sum8's order */
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -250,94 +251,105 @@ AVX2_TARGET static inline __m256i piece_scales(__m256i scales, int p) {
     return _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(2 * p | (2 * p + 1) << 8)));
 }
 
-/* Row n of W against mr <= TILE_X rows of x (xs[i]: row i's super-blocks), each piece unpacked
- * once for the mr rows. (Unpacking runs of rows once into scratch for all the rows of x was
- * tried: within 10 % either way from 8 to 128 rows.) maddubs' 16-bit pair sums cannot overflow (q <= 63, |x| <= 127; Q6_K's 32 * x's pair sums are
- * x's own, made once per row of x), and madd by the scales gives each lane's scale times its
- * 4 products. */
-AVX2_TARGET static inline __attribute__((always_inline)) void kq_row_avx2(
-    int wtype, const uint8_t *row, int nsb, const xk_t *const *xs, int mr, float *y, size_t y_stride, int n) {
-    const int sb = kquant_bytes(wtype), six = wtype == LM_Q6_K;
-    __m256 acc[2][TILE_X], accm[TILE_X];
-    for (int i = 0; i < TILE_X; i++) acc[0][i] = acc[1][i] = accm[i] = _mm256_setzero_ps();
-    for (int s = 0; s < nsb; s++) {
-        const uint8_t *b = row + (size_t)s * sb;
-        for (int o = 0; o < sb; o += 64) LM_PREFETCH(b + o);
-        uint32_t sm[4] = {0};
-        if (!six) k4_scales(b + 4, sm);
-        const uint8_t *s8 = (const uint8_t *)sm;
-        const float dw = f16_at(six ? b + 208 : b);
-        const __m256i scales = super_scales(wtype, b, s8);
-        for (int par = 0; par < 2; par++) {
-            __m256i isum[TILE_X];
-            for (int i = 0; i < TILE_X; i++) isum[i] = _mm256_setzero_si256();
-            for (int c = 0; c < 4; c++) {
-                const int p = 2 * c + par;
-                const __m256i u = piece_avx2(wtype, b, p), scale = piece_scales(scales, p);
-                for (int i = 0; i < mr; i++) {
-                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xs[i][s].q + 32 * p));
-                    __m256i p16 = _mm256_maddubs_epi16(u, xv);
-                    if (six) p16 = _mm256_sub_epi16(p16, _mm256_loadu_si256((const __m256i *)(xs[i][s].q32 + 16 * p)));
-                    isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(p16, scale));
-                }
-            }
-            for (int i = 0; i < mr; i++)
-                acc[par][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(dw * xs[i][s].d), acc[par][i]);
-        }
-        if (!six) {
-            const float dmin = f16_at(b + 2);
-            const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(s8 + 8)));
-            for (int i = 0; i < mr; i++) {
-                const __m256i mb = _mm256_mullo_epi32(mins, _mm256_loadu_si256((const __m256i *)xs[i][s].bsum32));
-                accm[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mb), _mm256_set1_ps(dmin * xs[i][s].d), accm[i]);
-            }
-        }
-    }
-    for (int i = 0; i < mr; i++) /* lm_sum16: lane i with lane i + 8 first */
-        y[(size_t)i * y_stride + n] = sum8_avx2(_mm256_add_ps(acc[0][i], acc[1][i])) - sum8_avx2(accm[i]);
-}
-
-#define KQ_ROW(T, MR) kq_row_avx2(T, row, nsb, xs, MR, y, N, n)
+#define KQ_ROW(FN, T, MR) FN(T, row, nsb, xs, MR, y, N, n)
 /* every tile size a constant (a loop over a variable count kept its sums in memory: two rows
  * of x, a draft's check, cost as much as four) */
-#define KQ_ROWS(T)                           \
-    do {                                     \
-        switch (mr) {                        \
-        case 1: KQ_ROW(T, 1); break;         \
-        case 2: KQ_ROW(T, 2); break;         \
-        case 3: KQ_ROW(T, 3); break;         \
-        default: KQ_ROW(T, TILE_X);          \
-        }                                    \
+#define KQ_ROWS(FN, T)                   \
+    do {                                 \
+        switch (mr) {                    \
+        case 1: KQ_ROW(FN, T, 1); break; \
+        case 2: KQ_ROW(FN, T, 2); break; \
+        case 3: KQ_ROW(FN, T, 3); break; \
+        default: KQ_ROW(FN, T, TILE_X);  \
+        }                                \
     } while (0)
 
-AVX2_TARGET static void row_avx2(int wtype, const uint8_t *row, int n, int nsb, const xk_t *const *xs, int mr,
-                                 float *y, int N) {
-    switch (wtype) {
-    case LM_Q4_K: KQ_ROWS(LM_Q4_K); break;
-    case LM_Q5_K: KQ_ROWS(LM_Q5_K); break;
-    default: KQ_ROWS(LM_Q6_K);
-    }
+/* The AVX2 and AVX-VNNI loops, compiled once for each (KQ_LOOPS).
+ * kq_row: row n of W against mr <= TILE_X rows of x (xs[i]: row i's super-blocks), each piece
+ * unpacked once for the mr rows. (Unpacking runs of rows once into scratch for all the rows of
+ * x was tried: within 10 % either way from 8 to 128 rows.) maddubs' 16-bit pair sums cannot
+ * overflow (q <= 63, |x| <= 127; Q6_K's 32 * x's pair sums are x's own, made once per row of
+ * x), and ACC, a madd by the scales and an add (AVX2) or one vpdpwssd (AVX-VNNI, 8-10 % faster
+ * on Q4_K at 8 rows of x), gives each lane's scale times its 4 products, the same integers.
+ * rows: rows n0..n1 of W against all M rows of x, W in runs of ROWS_RUN rows, each run against
+ * the rows of x TILE_X at a time, so that a run is read from memory once for all of them (a row
+ * of W at a time against every tile read W once per tile, M / 4 times over: a few per cent
+ * slower here, where the shared cache held them). Q6_K takes the rows of x Q6T at a time: on
+ * AVX2 2, since with 4 its sums and offsets did not fit the 16 vector registers and the loop ran
+ * 10 % slower a row (a Zen 2 core); on AVX-VNNI, where vpdpwssd needs no temporary, 4, 16 %
+ * faster at 8 rows of x than 2 (an Intel Xeon forced to the tier). */
+#define ROWS_RUN 16
+#define KQ_LOOPS(SUF, TARGET, ACC, Q6T)                                                                                       \
+TARGET static inline __attribute__((always_inline)) void kq_row_##SUF(                                                        \
+    int wtype, const uint8_t *row, int nsb, const xk_t *const *xs, int mr, float *y, size_t y_stride, int n) {                \
+    const int sb = kquant_bytes(wtype), six = wtype == LM_Q6_K;                                                               \
+    __m256 acc[2][TILE_X], accm[TILE_X];                                                                                      \
+    for (int i = 0; i < TILE_X; i++) acc[0][i] = acc[1][i] = accm[i] = _mm256_setzero_ps();                                   \
+    for (int s = 0; s < nsb; s++) {                                                                                           \
+        const uint8_t *b = row + (size_t)s * sb;                                                                              \
+        for (int o = 0; o < sb; o += 64) LM_PREFETCH(b + o);                                                                  \
+        uint32_t sm[4] = {0};                                                                                                 \
+        if (!six) k4_scales(b + 4, sm);                                                                                       \
+        const uint8_t *s8 = (const uint8_t *)sm;                                                                              \
+        const float dw = f16_at(six ? b + 208 : b);                                                                           \
+        const __m256i scales = super_scales(wtype, b, s8);                                                                    \
+        for (int par = 0; par < 2; par++) {                                                                                   \
+            __m256i isum[TILE_X];                                                                                             \
+            for (int i = 0; i < TILE_X; i++) isum[i] = _mm256_setzero_si256();                                                \
+            for (int c = 0; c < 4; c++) {                                                                                     \
+                const int p = 2 * c + par;                                                                                    \
+                const __m256i u = piece_avx2(wtype, b, p), scale = piece_scales(scales, p);                                   \
+                for (int i = 0; i < mr; i++) {                                                                                \
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xs[i][s].q + 32 * p));                            \
+                    __m256i p16 = _mm256_maddubs_epi16(u, xv);                                                                \
+                    if (six) p16 = _mm256_sub_epi16(p16, _mm256_loadu_si256((const __m256i *)(xs[i][s].q32 + 16 * p)));       \
+                    isum[i] = ACC(isum[i], p16, scale);                                                                       \
+                }                                                                                                             \
+            }                                                                                                                 \
+            for (int i = 0; i < mr; i++)                                                                                      \
+                acc[par][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(dw * xs[i][s].d), acc[par][i]);     \
+        }                                                                                                                     \
+        if (!six) {                                                                                                           \
+            const float dmin = f16_at(b + 2);                                                                                 \
+            const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(s8 + 8)));                            \
+            for (int i = 0; i < mr; i++) {                                                                                    \
+                const __m256i mb = _mm256_mullo_epi32(mins, _mm256_loadu_si256((const __m256i *)xs[i][s].bsum32));            \
+                accm[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mb), _mm256_set1_ps(dmin * xs[i][s].d), accm[i]);                \
+            }                                                                                                                 \
+        }                                                                                                                     \
+    }                                                                                                                         \
+    for (int i = 0; i < mr; i++) /* lm_sum16: lane i with lane i + 8 first */                                                 \
+        y[(size_t)i * y_stride + n] = sum8_avx2(_mm256_add_ps(acc[0][i], acc[1][i])) - sum8_avx2(accm[i]);                    \
+}                                                                                                                             \
+                                                                                                                              \
+TARGET static void row_##SUF(int wtype, const uint8_t *row, int n, int nsb, const xk_t *const *xs, int mr,                    \
+                                 float *y, int N) {                                                                           \
+    switch (wtype) {                                                                                                          \
+    case LM_Q4_K: KQ_ROWS(kq_row_##SUF, LM_Q4_K); break;                                                                      \
+    case LM_Q5_K: KQ_ROWS(kq_row_##SUF, LM_Q5_K); break;                                                                      \
+    default: KQ_ROWS(kq_row_##SUF, LM_Q6_K);                                                                                  \
+    }                                                                                                                         \
+}                                                                                                                             \
+                                                                                                                              \
+TARGET static void rows_##SUF(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nsb,                         \
+                                  const xk_t *xk, int M, float *y, int N) {                                                   \
+    const int tile = wtype == LM_Q6_K ? Q6T : TILE_X;                                                                              \
+    for (int r0 = n0; r0 < n1; r0 += ROWS_RUN) {                                                                              \
+        const int r1 = n1 - r0 < ROWS_RUN ? n1 : r0 + ROWS_RUN;                                                               \
+        for (int m0 = 0; m0 < M; m0 += tile) {                                                                                \
+            const int mr = M - m0 < tile ? M - m0 : tile;                                                                     \
+            const xk_t *xs[TILE_X];                                                                                           \
+            for (int i = 0; i < TILE_X; i++) xs[i] = xk + (size_t)(m0 + (i < mr ? i : 0)) * nsb;                              \
+            for (int n = r0; n < r1; n++) row_##SUF(wtype, w + (size_t)n * row_bytes, n, nsb, xs, mr, y + (size_t)m0 * N, N); \
+        }                                                                                                                     \
+    }                                                                                                                         \
 }
 
-/* Rows n0..n1 of W against all M rows of x: W in runs of ROWS_RUN rows, each run against the
- * rows of x TILE_X at a time, so that a run is read from memory once for all of them (a row of
- * W at a time against every tile read W once per tile, M / 4 times over: a few per cent slower
- * here, where the shared cache held them). Q6_K takes the rows of x 2 at a time: with 4, its sums and offsets did not fit
- * the 16 vector registers and the loop ran 10 % slower a row than with 2 (a Zen 2 core). */
-#define ROWS_RUN 16
-AVX2_TARGET static void rows_avx2(int wtype, const uint8_t *w, size_t row_bytes, int n0, int n1, int nsb,
-                                  const xk_t *xk, int M, float *y, int N) {
-    const int tile = wtype == LM_Q6_K ? 2 : TILE_X;
-    for (int r0 = n0; r0 < n1; r0 += ROWS_RUN) {
-        const int r1 = n1 - r0 < ROWS_RUN ? n1 : r0 + ROWS_RUN;
-        for (int m0 = 0; m0 < M; m0 += tile) {
-            const int mr = M - m0 < tile ? M - m0 : tile;
-            const xk_t *xs[TILE_X];
-            for (int i = 0; i < TILE_X; i++) xs[i] = xk + (size_t)(m0 + (i < mr ? i : 0)) * nsb;
-            for (int n = r0; n < r1; n++) row_avx2(wtype, w + (size_t)n * row_bytes, n, nsb, xs, mr, y + (size_t)m0 * N, N);
-        }
-    }
-}
+/* AVX2: madd by the scales, then an add; AVX-VNNI: the two in one vpdpwssd (the same integers) */
+#define ACC_AVX2(isum, p16, scale) _mm256_add_epi32(isum, _mm256_madd_epi16(p16, scale))
+#define ACC_VNNI(isum, p16, scale) _mm256_dpwssd_avx_epi32(isum, p16, scale)
+KQ_LOOPS(avx2, AVX2_TARGET, ACC_AVX2, 2)
+KQ_LOOPS(vnni, VNNI_TARGET, ACC_VNNI, 4)
 
 /* ---- AVX-512 VNNI: Q4_K and Q6_K with the 16 lanes in one vector ------------------------ */
 #define VNNI512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
@@ -496,7 +508,11 @@ static void kmm_part(void *p, int part, int parts) {
         rows_512(J->wtype, J->w, J->row_bytes, n0, n1, J->nsb, J->xk, J->M, J->y, J->N);
         return;
     }
-    if (J->level >= LM_ISA_AVX2) { /* AVX-VNNI too: VNNI's dot would still need the scales' multiply */
+    if (J->level == LM_ISA_AVXVNNI) {
+        rows_vnni(J->wtype, J->w, J->row_bytes, n0, n1, J->nsb, J->xk, J->M, J->y, J->N);
+        return;
+    }
+    if (J->level >= LM_ISA_AVX2) { /* and AVX-512 for Q5_K */
         rows_avx2(J->wtype, J->w, J->row_bytes, n0, n1, J->nsb, J->xk, J->M, J->y, J->N);
         return;
     }
