@@ -10,8 +10,8 @@ rounds times; the figures are medians per matrix, summed over the model. --again
 another build of localllm._native (e.g. one built from an earlier commit with `python setup.py
 build_ext` and copied away): both builds multiply the same matrices, alternating, in one run, so
 the two columns compare kernels on the same machine state (each build's whole sweep in turn,
-since each has its own pool of workers). Run it on a quiet machine: it times
-microseconds.
+since each has its own pool of workers); LOCALLLM_NATIVE_ISA holds both builds to one tier.
+Run it on a quiet machine: it times microseconds.
 """
 
 from __future__ import annotations

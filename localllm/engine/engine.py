@@ -65,8 +65,9 @@ class AutoProbe:
 # user waits on it, decode (docs/benchmarks.md, "--runner auto on the CPU"): AVX-512 VNNI
 # (1.26-1.42x one stream, 1.8-1.9x eight, 1.2x prefill) and AVX2 on a real AVX2-only CPU
 # (1.34-1.40x one stream, 1.21-1.47x eight; prefill 0.97-1.04x). AVX-VNNI runs AVX2's loops
-# with vpdpbusd in place of two instructions of each block, ahead of AVX2 on the same CPU
-# (measured forced). The scalar tier (no AVX2, or no x86) is far behind: llama.cpp there.
+# with vpdpbusd and vpdpwssd; forced on an Intel Xeon that has it, against llama.cpp built for
+# AVX2 with AVX-VNNI, it leads as AVX2 does ("Every x86 tier on one Intel Xeon"). The scalar
+# tier (no AVX2, or no x86) is far behind: llama.cpp there.
 CPU_LEADING_TIERS = frozenset({"avx2", "avxvnni", "avx512vnni"})
 # GGUF block formats the native kernels read in place on a tier with vector loops (AVX2 and up),
 # for a matrix and for the token embedding table; F32 tensors are read in place everywhere.
