@@ -35,3 +35,23 @@ def machine() -> str:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def llama_without_amx() -> None:
+    """llama-cpp-python's own Llama on a build with ggml's AMX kernels crashes at its first
+    matmul, as the runner would (localllm/runners/llamacpp.py, amx_compiled_in): give it the
+    runner's way around them, its model parameters with the extra buffers off."""
+    import llama_cpp.llama_cpp as llama_cpp  # the module llama_cpp.Llama calls
+
+    from localllm.runners.llamacpp import amx_compiled_in
+
+    if amx_compiled_in() and not getattr(llama_cpp, "_localllm_no_amx", False):
+        default = llama_cpp.llama_model_default_params
+
+        def params():
+            p = default()
+            p.use_extra_bufts = False
+            return p
+
+        llama_cpp.llama_model_default_params = params
+        llama_cpp._localllm_no_amx = True

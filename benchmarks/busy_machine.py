@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 
-from _common import machine, median, model_path
+from _common import llama_without_amx, machine, median, model_path
 
 from localllm.config import CacheConfig, EngineConfig, physical_cores
 from localllm.engine.engine import LLMEngine
@@ -106,29 +106,9 @@ class Localllm:
         return f"{s.threads_decode}/{s.threads_prefill} (probes {dp}/{pp}, moves {dm}/{pm})"
 
 
-def _without_amx() -> None:
-    """llama-cpp-python's own Llama on a build with ggml's AMX kernels crashes at its first
-    matmul, as the runner would (localllm/runners/llamacpp.py, amx_compiled_in): give it the
-    runner's way around them, its model parameters with the extra buffers off."""
-    import llama_cpp.llama_cpp as llama_cpp  # the module llama_cpp.Llama calls
-
-    from localllm.runners.llamacpp import amx_compiled_in
-
-    if amx_compiled_in() and not getattr(llama_cpp, "_localllm_no_amx", False):
-        default = llama_cpp.llama_model_default_params
-
-        def params():
-            p = default()
-            p.use_extra_bufts = False
-            return p
-
-        llama_cpp.llama_model_default_params = params
-        llama_cpp._localllm_no_amx = True
-
-
 class LlamaCppPython:
     def __init__(self, path, threads: int | None):
-        _without_amx()
+        llama_without_amx()
         from llama_cpp import Llama
 
         # Its defaults: half the logical CPUs for decode, all of them for batches (prefill).

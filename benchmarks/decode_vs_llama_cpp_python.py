@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from _common import machine, median, model_path
+from _common import llama_without_amx, machine, median, model_path
 
 from localllm.config import CacheConfig, EngineConfig
 from localllm.engine.engine import LLMEngine
@@ -45,6 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     path = model_path()
 
+    llama_without_amx()
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(path), n_ctx=args.ctx, n_batch=256, n_threads=args.threads,
