@@ -32,8 +32,12 @@ from tiny_gguf import write_tiny_gguf  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 # On the CPU both paths run the same kernels on the same rows (the reference attention in
-# float64 for decoded positions): the same bits. On CUDA a padded bucket multiplies more rows
-# than the eager step, and cuBLAS may pick another kernel for another shape.
+# float64 for decoded positions): the same bits where the bucket holds as many rows as the
+# step. A padded bucket multiplies more rows than the eager step, and a BLAS may pick another
+# kernel for another shape: cuBLAS on CUDA, and MKL's float32 GEMM on an Intel Xeon (5 rows
+# and the same 5 among 8 differed in their last bits there, by up to 3e-4 in Gemma 3's logits
+# after its layers; on AMD EPYCs they agreed). Such steps are held to the GPU's tolerance; a
+# wrong slot, table or row would be off by far more.
 GPU_TOLERANCE = 1e-3
 BLOCK = 16
 
@@ -52,8 +56,8 @@ def test_buckets():
     assert buckets(32) == [1, 2, 4, 8, 16, 24, 32]
 
 
-def assert_same(a: np.ndarray, b: np.ndarray) -> None:
-    if ON_GPU:
+def assert_same(a: np.ndarray, b: np.ndarray, padded: bool = False) -> None:
+    if ON_GPU or padded:
         np.testing.assert_allclose(a, b, atol=GPU_TOLERANCE, rtol=0)
     else:
         np.testing.assert_array_equal(a, b)
@@ -96,7 +100,7 @@ def test_static_decode_equals_eager_decode(tmp_path, arch, kv_dtype, kernel):
                                     list(range(len(batch))))
             static = runner.graphs.run([(t, p, tables[i]) for t, p, i in zip(new, positions, batch)]).cpu().numpy()
             assert static.shape == eager.shape == (len(batch), runner.vocab.n_vocab)
-            assert_same(static, eager)
+            assert_same(static, eager, padded=runner.graphs.bucket(len(batch)) > len(batch))
             for i in batch:
                 lengths[i] += 1
     assert set(runner.graphs.graphs) == ({1, 2, 4, 8} if ON_GPU else set())  # buckets(8); 5 rows take 8
