@@ -33,7 +33,7 @@ else:
 setup(cmdclass={"build_py": BuildPy}, ext_modules=[Extension(
     "localllm._native",
     sources=["native/module.c", "native/attention.c", "native/pool.c", "native/qmatmul.c", "native/rows.c",
-             "native/isa.c", "native/kquant.c", "native/layer.c"],
+             "native/isa.c", "native/kquant.c", "native/layer.c", "native/rows8.c"],
     depends=["native/localllm_native.h"],
     include_dirs=["native"],
     extra_compile_args=args,

@@ -47,10 +47,11 @@ static inline float lm_half_to_float(uint16_t h) {
 
 /* Bumped when a call changes and when a kernel's results change (the torch runner's prefix
  * cache fingerprint carries it: stored K/V are the bits these kernels computed). */
-#define LM_ABI_VERSION 10 /* 3: lm_paged_attention takes kv_type and the q8_0 scales; 4: lm_repack, lm_cpu_level; 5: rows.c;
+#define LM_ABI_VERSION 11 /* 3: lm_paged_attention takes kv_type and the q8_0 scales; 4: lm_repack, lm_cpu_level; 5: rows.c;
                             6: isa.c (lm_isa, lm_set_isa) in place of lm_cpu_level; 7: kquant.c (Q4_K, Q5_K,
                             Q6_K on every tier), tier 2 is AVX-VNNI; 8: Q5_0X, lm_repack takes the layout made;
-                            9: layer.c (lm_layers_forward); 10: attention's AVX2 copy */
+                            9: layer.c (lm_layers_forward); 10: attention's AVX2 copy; 11: Q4_0R, Q5_0R,
+                            Q8_0R (8 rows interleaved, one float sum a row) */
 
 /* What a KV pool holds (lm_paged_attention's kv_type). */
 #define LM_KV_F32 0
@@ -67,6 +68,9 @@ static inline float lm_half_to_float(uint16_t h) {
 #define LM_Q5_0P 106 /* Q5_0 repacked in pairs of blocks for AVX-512 (qmatmul.c); not a GGML type */
 #define LM_Q4_0P 102 /* Q4_0 likewise */
 #define LM_Q5_0X 116 /* Q5_0 in pairs with the high bits laid out for 256-bit vectors (qmatmul.c) */
+#define LM_Q4_0R 122 /* Q4_0 / Q5_0 / Q8_0 with 8 rows interleaved, a block at a time (qmatmul.c) */
+#define LM_Q5_0R 126
+#define LM_Q8_0R 128
 
 typedef void (*lm_task_fn)(void *arg, int part, int parts);
 void lm_pool_run(lm_task_fn fn, void *arg, int parts);
@@ -82,6 +86,12 @@ int lm_paged_attention(const float *q, float *out, const void *k, const void *v,
 
 int lm_block_bytes(int wtype);
 int lm_kquant_bytes(int wtype);
+/* rows8.c: W's blocks interleaved 8 rows at a time (LM_Q4_0R, LM_Q5_0R, LM_Q8_0R) against x's
+ * 8-bit blocks (xq: M * nb blocks of 32 bytes, xd their scales), on tier ``level``. */
+int lm_rows8_type(int wtype);
+int lm_rows8_matmul(int level, int wtype, const uint8_t *w, int N, int nb, const int8_t *xq, const float *xd,
+                    int M, float *y, int n_threads);
+int lm_rows8_repack(const uint8_t *w, int packed, int N, int K, uint8_t *out, int reverse);
 int lm_qmatmul_k(const float *x, int M, int K, const uint8_t *w, int wtype, int N, float *y, int n_threads,
                  int level);
 int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N, float *y, int n_threads,

@@ -753,6 +753,20 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
     if (M < 0 || N < 0) return LM_EINVAL;
     if (lm_kquant_bytes(wtype) != 0) /* kquant.c */
         return lm_qmatmul_k(x, M, K, w, wtype, N, y, n_threads, force_scalar ? LM_ISA_SCALAR : lm_isa());
+    if (lm_rows8_type(wtype)) { /* rows8.c, on x's blocks made here */
+        if (K % QK != 0 || N % 8 != 0) return LM_EINVAL;
+        const int level = force_scalar ? LM_ISA_SCALAR : lm_isa(), nb = K / QK;
+        qblock_t *xq = malloc(sizeof(qblock_t) * (size_t)M * nb + 1);
+        float *xd = malloc(sizeof(float) * (size_t)M * nb + 1);
+        int rc = LM_ENOMEM;
+        if (xq != NULL && xd != NULL) {
+            quantize_rows(x, M, K, nb, xq, xd, level, n_threads);
+            rc = lm_rows8_matmul(level, wtype, w, N, nb, (const int8_t *)xq, xd, M, y, n_threads);
+        }
+        free(xq);
+        free(xd);
+        return rc;
+    }
     const int bb = block_bytes(wtype);
     if (bb == 0 || K % QK != 0 || M < 0 || N < 0) return LM_EINVAL;
     int level = force_scalar ? LM_ISA_SCALAR : lm_isa();
@@ -821,6 +835,7 @@ static uint64_t transpose_bits(uint64_t x) {
  * above), or back with reverse: the same bytes rearranged, so a file's blocks can be kept
  * either way. */
 int lm_repack(const uint8_t *w, int packed, int N, int K, uint8_t *out, int reverse) {
+    if (lm_rows8_type(packed)) return lm_rows8_repack(w, packed, N, K, out, reverse);
     if ((packed != LM_Q5_0P && packed != LM_Q4_0P && packed != LM_Q5_0X) || K % (2 * QK) != 0 || N < 0)
         return LM_EINVAL;
     const int five = packed != LM_Q4_0P, bb = five ? 22 : 18, qs_at = five ? 6 : 2, nib_at = five ? 12 : 4;

@@ -90,7 +90,7 @@ def test_converted_weights_are_kept_and_read_back(gemma_path, tmp_path, caplog):
 
 def test_gguf_blocks_scheme_reads_the_files_blocks_in_place(qwen_path, tmp_path):
     """The "gguf-blocks" scheme: Q5_0 / Q8_0 layers multiply the file's own blocks with the
-    native kernel, taken from the file's mapping. Where the vector loops run (AVX2 and up)
+    native kernel (8 rows interleaved: the same bytes rearranged as they are loaded). Where the vector loops run (AVX2 and up)
     that is every matrix, and the Q5_0 embedding table too: nothing is converted, no cache
     file is written, and the second load gives the same logits bit for bit. On the scalar
     tier the K-quants are converted once and read back from the cache."""
@@ -112,7 +112,7 @@ def test_gguf_blocks_scheme_reads_the_files_blocks_in_place(qwen_path, tmp_path)
             layers = runner.model.layers[0]
             kinds = {"q": type(layers["qkv"].layer_of(0)).__name__, "gate": type(layers["gate_up"].layer_of(0)).__name__,
                      "down": type(layers["down"]).__name__, "q kind": layers["qkv"].layer_of(0).kind}
-            assert isinstance(runner.model.lm_head, BlockLinear) and runner.model.lm_head.kind == "Q8_0"
+            assert isinstance(runner.model.lm_head, BlockLinear) and runner.model.lm_head.kind == "Q8_0R"
             seq = Sequence(prompt_token_ids=runner.vocab.tokenize(b"def add(a, b):", True, False),
                            params=SamplingParams())
             seq.block_table = [0]
@@ -132,8 +132,8 @@ def test_gguf_blocks_scheme_reads_the_files_blocks_in_place(qwen_path, tmp_path)
     assert (logits == logits2).all()
     assert kinds == kinds2 == {"q": "BlockLinear", "gate": "BlockLinear", "down": kinds["down"],
                                "q kind": kinds["q kind"]}
-    # AVX2 and up: Q4_K / Q6_K read in place too, Q5_0 in pairs
-    assert kinds["q kind"] == (native.pairs_kind("Q5_0") if native.vector_loops() else "Q5_0")
+    # Q5_0 / Q8_0 with 8 rows interleaved on every tier; AVX2 and up: Q4_K / Q6_K read in place too
+    assert kinds["q kind"] == "Q5_0R"
     if native.vector_loops():
         assert kinds["down"] == "BlockLinear"
     else:  # the scalar tier: Q4_K / Q6_K as the default scheme's layers

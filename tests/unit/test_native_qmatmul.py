@@ -15,6 +15,7 @@ from localllm.runners.torch.quant import BlockLinear  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="localllm._native was not built here")
 KINDS = ["Q4_0", "Q5_0", "Q8_0"]
+ROWS8 = ["Q4_0R", "Q5_0R", "Q8_0R"]
 
 
 def blocks_of(w: np.ndarray, kind: str) -> torch.Tensor:
@@ -66,6 +67,37 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind):
     assert torch.equal(native.qmatmul(x, blocks, kind), alone)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_interleaved_by_eight_are_the_product_alike_on_every_tile_and_pack_back(kind):
+    """Q4_0R / Q5_0R / Q8_0R (native/rows8.c) hold the file's weights 8 rows at a time: they
+    pack back to the file's bytes, give the quantized product, the same bits for a row of x
+    alone or among others and on any thread count, and two matrices stacked (a fused Q, K, V)
+    give each one's own bits. BlockLinear keeps a matrix of 8k rows so, on every tier."""
+    rng = np.random.default_rng(21)
+    n, k = 48, 320
+    blocks = blocks_of(rng.standard_normal((n, k)).astype(np.float32), kind)
+    rows8 = native.repack(blocks, kind, packed=kind + "R")
+    assert not torch.equal(rows8, blocks) and rows8.shape == blocks.shape
+    assert torch.equal(native.repack(rows8, kind, reverse=True, packed=kind + "R"), blocks)
+    x = torch.from_numpy(rng.standard_normal((9, k)).astype(np.float32))
+    x[1, 32:64] = 0  # an all-zero block
+    want = (q8_blocks(x).double() @ native.dequantize(blocks, kind, k).double().t()).float()
+    got = native.qmatmul(x, rows8, kind + "R")
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    alone = torch.cat([native.qmatmul(x[i:i + 1], rows8, kind + "R") for i in range(9)])
+    assert torch.equal(got, alone)
+    for threads in (1, 2, 3):
+        assert torch.equal(native.qmatmul(x, rows8, kind + "R", n_threads=threads), got)
+    top, rest = (native.repack(blocks[a:b].contiguous(), kind, packed=kind + "R") for a, b in ((0, 16), (16, 48)))
+    assert torch.equal(native.qmatmul(x, torch.cat([top, rest]), kind + "R"), got)
+    layer = BlockLinear(blocks, kind)
+    assert layer.kind == kind + "R" and torch.equal(layer.tensors()["blocks"], blocks)
+    assert torch.equal(layer(x), got)
+    assert BlockLinear(blocks[:44].contiguous(), kind).kind != kind + "R"  # not a multiple of 8 rows
+    with pytest.raises(ValueError, match="cannot be repacked"):
+        native.repack(blocks[:44].contiguous(), kind, packed=kind + "R")
+
+
 def test_block_linear_adds_its_bias_and_takes_any_leading_shape():
     rng = np.random.default_rng(3)
     w = rng.standard_normal((40, 64)).astype(np.float32)
@@ -73,9 +105,9 @@ def test_block_linear_adds_its_bias_and_takes_any_leading_shape():
     layer = BlockLinear(blocks_of(w, "Q8_0"), "Q8_0", bias=bias)
     x = torch.randn(5, 64)
     assert layer.in_features == 64
-    torch.testing.assert_close(layer(x), native.qmatmul(x, layer.blocks, "Q8_0") + bias)
+    torch.testing.assert_close(layer(x), native.qmatmul(x, layer.blocks, layer.kind) + bias)
     again = BlockLinear.from_tensors(**{k if k != "b" else "bias": v for k, v in layer.tensors().items()})
-    assert again.kind == "Q8_0" and torch.equal(again(x), layer(x))
+    assert again.kind == layer.kind == "Q8_0R" and torch.equal(again(x), layer(x))
 
 
 def test_bad_shapes_are_refused_with_a_clear_error():
@@ -166,44 +198,51 @@ def test_odd_shapes_are_refused_for_the_wide_layouts():
 
 
 @vector
-@pytest.mark.parametrize("kind", KINDS + K_QUANTS + ["Q4_0P", "Q5_0P", "Q5_0X"])
+@pytest.mark.parametrize("kind", KINDS + K_QUANTS + ["Q4_0P", "Q5_0P", "Q5_0X"] + ROWS8)
 def test_every_tile_of_rows_gives_the_portable_loops_bits(kind):
     """The vector loops take the rows of x 4 at a time and have a loop for each tile size (1, 2,
     3, 4), and past 4 rows tiles of several weight rows: every size, and an odd last block,
-    gives the bits of the portable loop (pairs: of the file's blocks there)."""
+    gives the bits of the portable loop (pairs: of the file's blocks there; 8 rows interleaved:
+    of their own portable loop, which sums a row in one order)."""
     rng = np.random.default_rng(11)
-    file_kind = {"Q4_0P": "Q4_0", "Q5_0P": "Q5_0", "Q5_0X": "Q5_0"}.get(kind, kind)
-    k = 768 if kind in K_QUANTS else (704 if file_kind != kind else 736)  # 23 blocks: an odd last one
+    file_kind = native.UNPACKED.get(kind, kind)
+    k = 768 if kind in K_QUANTS else (704 if kind in native.PACKED_TYPES and kind not in ROWS8 else 736)
+    n = 40 if kind in ROWS8 else 37  # 8 rows interleaved: whole groups (37: a part run of 8 rows)
     if kind in K_QUANTS:
-        blocks = k_blocks(rng, 37, k, kind)
+        blocks = k_blocks(rng, n, k, kind)
     else:
-        blocks = blocks_of(rng.standard_normal((37, k)).astype(np.float32), file_kind)
+        blocks = blocks_of(rng.standard_normal((n, k)).astype(np.float32), file_kind)
     weights = native.repack(blocks, file_kind, packed=kind) if file_kind != kind else blocks
     x = torch.from_numpy(rng.standard_normal((11, k)).astype(np.float32))
     for m in range(12):  # 0: an empty batch gives an empty result
-        want = native.qmatmul(x[:m], blocks, file_kind, force_scalar=True)
+        if kind in ROWS8:
+            want = native.qmatmul(x[:m], weights, kind, force_scalar=True)
+        else:
+            want = native.qmatmul(x[:m], blocks, file_kind, force_scalar=True)
         for threads in (1, 2):
             assert torch.equal(native.qmatmul(x[:m], weights, kind, n_threads=threads), want), (m, threads)
 
 
 @vector
-@pytest.mark.parametrize("kind", KINDS + ["Q5_0P"] + K_QUANTS)
+@pytest.mark.parametrize("kind", KINDS + ["Q5_0P"] + K_QUANTS + ROWS8)
 def test_many_rows_of_x_against_long_rows_give_the_portable_loops_bits(kind):
     """Past 4 rows of x the AVX-512 loops make x ready in chunks that a core's cache holds
     (512 KiB: 4 rows of x at this length) and unpack each tile of weight rows once a chunk:
     rows of x in three chunks, the last a part, and an odd last block give the portable loop's
     bits. So many rows are quantized over the threads (the K-quants' too)."""
     rng = np.random.default_rng(12)
-    file_kind = "Q5_0" if kind == "Q5_0P" else kind
+    file_kind = native.UNPACKED.get(kind, kind)
+    n = 16 if kind in ROWS8 else 9
     if kind in K_QUANTS:
         k = 256 * 19
-        blocks = k_blocks(rng, 9, k, kind)
+        blocks = k_blocks(rng, n, k, kind)
     else:
         k = 32 * (684 if kind == "Q5_0P" else 683)  # 683 blocks: an odd last one
-        blocks = blocks_of(rng.standard_normal((9, k)).astype(np.float32), file_kind)
+        blocks = blocks_of(rng.standard_normal((n, k)).astype(np.float32), file_kind)
     weights = native.repack(blocks, file_kind, packed=kind) if kind != file_kind else blocks
     x = torch.from_numpy(rng.standard_normal((11, k)).astype(np.float32))
-    want = native.qmatmul(x, blocks, file_kind, force_scalar=True)
+    want = native.qmatmul(x, weights if kind in ROWS8 else blocks, kind if kind in ROWS8 else file_kind,
+                          force_scalar=True)
     for threads in (1, 2):
         assert torch.equal(native.qmatmul(x, weights, kind, n_threads=threads), want), threads
 

@@ -17,13 +17,14 @@ import torch
 
 from localllm.errors import UsageError
 
-ABI_VERSION = 10  # native/localllm_native.h's LM_ABI_VERSION
+ABI_VERSION = 11  # native/localllm_native.h's LM_ABI_VERSION
 # What a KV pool holds, as native/attention.c numbers it (LM_KV_*): int8 is q8_0, with scales.
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
 REBUILD = "rebuild localllm's native kernels with `pip install -e .` (a C compiler is needed)"
 # GGUF block formats the native matmul reads in place (GGML's type numbers).
 BLOCK_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8}
-BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q4_0P": 18, "Q5_0P": 22, "Q5_0X": 22}
+BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q4_0P": 18, "Q5_0P": 22, "Q5_0X": 22,
+               "Q4_0R": 18, "Q5_0R": 22, "Q8_0R": 34}
 # K-quant super-blocks (256 weights) the matmul reads in place (native/kquant.c) where
 # ``vector_loops()``.
 K_TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
@@ -31,8 +32,10 @@ SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 # Layouts of our own the matmul also reads: "Q4_0P" / "Q5_0P" are Q4_0 / Q5_0 with each pair of blocks
 # rearranged (native/qmatmul.c; ``repack`` makes it where ``vector_loops()``); "Q5_0X" is Q5_0's
 # pairs with the high bits in the order the 256-bit loops unpack fastest (``pairs_kind``).
-PACKED_TYPES = {"Q4_0P": 102, "Q5_0P": 106, "Q5_0X": 116}
-UNPACKED = {"Q4_0P": "Q4_0", "Q5_0P": "Q5_0", "Q5_0X": "Q5_0"}
+# "Q4_0R" / "Q5_0R" / "Q8_0R" hold 8 rows interleaved, a block at a time (native/rows8.c): one
+# lane a row, one float sum a row; every tier reads them (``rows8_kind``).
+PACKED_TYPES = {"Q4_0P": 102, "Q5_0P": 106, "Q5_0X": 116, "Q4_0R": 122, "Q5_0R": 126, "Q8_0R": 128}
+UNPACKED = {"Q4_0P": "Q4_0", "Q5_0P": "Q5_0", "Q5_0X": "Q5_0", "Q4_0R": "Q4_0", "Q5_0R": "Q5_0", "Q8_0R": "Q8_0"}
 _ERRORS = {1: "invalid arguments", 2: "out of memory"}
 # Instruction-set tiers, lowest first, as native/isa.c numbers them (LM_ISA_*): AVX-VNNI is AVX2 with
 # the 256-bit VEX vpdpbusd of Intel's laptop chips (a CPU with AVX-512 VNNI may lack it).
@@ -272,6 +275,13 @@ def pairs_kind(kind: str) -> str | None:
     return None
 
 
+def rows8_kind(kind: str, n: int) -> str | None:
+    """The layout of 8 rows interleaved for ``kind``'s blocks of a matrix of ``n`` rows: "Q4_0R",
+    "Q5_0R" or "Q8_0R" where n is a multiple of 8, on every tier (their sums are one order
+    everywhere); None otherwise."""
+    return f"{kind}R" if kind in BLOCK_TYPES and n % 8 == 0 else None
+
+
 def repack(blocks: torch.Tensor, kind: str, reverse: bool = False, packed: str | None = None) -> torch.Tensor:
     """A Q4_0 or Q5_0 matrix's blocks (N, K / 32 * block bytes), K a multiple of 64, in the
     layout ``packed`` of pairs (default: ``pairs_kind(kind)``, the one this tier unpacks
@@ -283,7 +293,7 @@ def repack(blocks: torch.Tensor, kind: str, reverse: bool = False, packed: str |
     rc = _required().lm_repack(blocks.contiguous().data_ptr(), PACKED_TYPES[packed], n,
                                row * 32 // BLOCK_BYTES[kind], out.data_ptr(), int(reverse))
     if rc:
-        raise ValueError(f"{kind} blocks of shape {tuple(blocks.shape)} cannot be repacked in pairs")
+        raise ValueError(f"{kind} blocks of shape {tuple(blocks.shape)} cannot be repacked as {packed}")
     return out
 
 

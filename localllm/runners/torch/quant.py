@@ -156,9 +156,11 @@ class BlockLinear:
     to 8-bit blocks (Q8_K super-blocks for the K-quants), integer sums per block, as llama.cpp
     computes it. Takes and returns float32.
 
-    Where the CPU has AVX2, Q4_0 / Q5_0 blocks are kept rearranged in pairs ("Q4_0P" / "Q5_0P" / "Q5_0X",
-    which the kernels unpack in a fraction of the instructions: the same products, bit for
-    bit); ``tensors()`` gives them back as the file's blocks."""
+    Q4_0 / Q5_0 / Q8_0 matrices of a multiple of 8 rows are kept with 8 rows interleaved
+    ("Q4_0R" / "Q5_0R" / "Q8_0R", native/rows8.c: a lane a row, one float sum a row, on every
+    tier); others, where the CPU has AVX2, Q4_0 / Q5_0 in pairs of blocks ("Q4_0P" / "Q5_0P" /
+    "Q5_0X", which the kernels unpack in a fraction of the instructions: the same products as
+    the file's blocks, bit for bit). ``tensors()`` gives them back as the file's blocks."""
 
     def __init__(self, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None = None):
         from localllm.runners.torch import native
@@ -167,8 +169,9 @@ class BlockLinear:
             self.in_features = blocks.shape[1] // native.SUPER_BYTES[kind] * 256
         else:
             self.in_features = blocks.shape[1] * GROUP // native.BLOCK_BYTES[kind]
-        packed = native.pairs_kind(kind) if native.vector_loops() else None
-        if packed and self.in_features % (2 * GROUP) == 0:
+        packed = native.pairs_kind(kind) if native.vector_loops() and self.in_features % (2 * GROUP) == 0 else None
+        packed = native.rows8_kind(kind, blocks.shape[0]) or packed
+        if packed:
             blocks, kind = native.repack(blocks.contiguous(), kind, packed=packed), packed
         self.blocks = blocks.contiguous()  # (out, in / 32 * block bytes) uint8
         self.kind = kind
