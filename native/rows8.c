@@ -130,18 +130,18 @@ R_PART(VNNI512_TARGET, vnni512)
 /* Group g's 8 rows against MC rows of x (a constant). xc: per row of x and block, -offset times
  * the block's sum of x (VNNI's start value; AVX2 adds it at the end, Q8_0R's signed products
  * need none there). */
-#define R_LOOP(SUF, TARGET, VNNI)                                                                       \
+#define R_LOOP(SUF, TARGET, VNNI, TX)                                                                       \
     TARGET static inline __attribute__((always_inline)) void group_##SUF(                              \
         int wtype, const uint8_t *gw, int nb, const int8_t *xq, const float *xd, const int32_t *xc, int mc, \
         float *y, int N, int n) {                                                                       \
         const size_t gbb = (size_t)RR * r_block_bytes(wtype);                                          \
         const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);                \
-        __m256 acc[4];                                                                                  \
-        for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_ps();                                       \
+        __m256 acc[8];                                                                                  \
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();                                       \
         for (int b = 0; b < nb; b++) {                                                                  \
             const uint8_t *gb = gw + (size_t)b * gbb;                                                   \
             for (size_t o = 0; o < gbb; o += 64) LM_PREFETCH(gb + o);                                   \
-            __m256i s[4];                                                                               \
+            __m256i s[8];                                                                               \
             for (int i = 0; i < mc; i++)                                                                \
                 s[i] = VNNI ? _mm256_set1_epi32(xc[(size_t)i * nb + b]) : _mm256_setzero_si256();      \
             for (int j = 0; j < 4; j++) {                                                               \
@@ -188,31 +188,45 @@ R_PART(VNNI512_TARGET, vnni512)
     TARGET static void groups_##SUF(int wtype, const uint8_t *w, int g0, int g1, int nb, const int8_t *xq,  \
                                     const float *xd, const int32_t *xc, int M, float *y, int N) {        \
         const size_t gbb = (size_t)RR * r_block_bytes(wtype);                                          \
-        int chunk = (int)(R_X_CHUNK_BYTES / ((size_t)nb * (QK + 8))) / 4 * 4;                           \
-        if (chunk < 4) chunk = 4;                                                                       \
+        int chunk = (int)(R_X_CHUNK_BYTES / ((size_t)nb * (QK + 8))) / TX * TX;                         \
+        if (chunk < TX) chunk = TX;                                                                     \
         for (int c0 = 0; c0 < M; c0 += chunk) {                                                         \
             const int c1 = M - c0 < chunk ? M : c0 + chunk;                                             \
             for (int g = g0; g < g1; g++) {                                                             \
                 const uint8_t *gw = w + (size_t)g * nb * gbb;                                           \
-                for (int m0 = c0; m0 < c1; m0 += 4) {                                                   \
+                for (int m0 = c0; m0 < c1; m0 += TX) {                                                  \
                     const size_t xo = (size_t)m0 * nb;                                                  \
                     float *yt = y + (size_t)m0 * N;                                                     \
-                    switch (c1 - m0 < 4 ? c1 - m0 : 4) { /* constants: the sums stay in registers */   \
-                    case 1: group_##SUF(wtype, gw, nb, xq + xo * QK, xd + xo, xc + xo, 1, yt, N, RR * g); break; \
-                    case 2: group_##SUF(wtype, gw, nb, xq + xo * QK, xd + xo, xc + xo, 2, yt, N, RR * g); break; \
-                    case 3: group_##SUF(wtype, gw, nb, xq + xo * QK, xd + xo, xc + xo, 3, yt, N, RR * g); break; \
-                    default: group_##SUF(wtype, gw, nb, xq + xo * QK, xd + xo, xc + xo, 4, yt, N, RR * g);   \
-                    }                                                                                   \
+                    const int mc = c1 - m0 < TX ? c1 - m0 : TX;                                         \
+                    /* constants: the sums stay in registers */                                         \
+                    if (mc == TX) GROUP(SUF, TX);                                                       \
+                    else if (mc == 1) GROUP(SUF, 1);                                                    \
+                    else if (mc == 2) GROUP(SUF, 2);                                                    \
+                    else if (mc == 3) GROUP(SUF, 3);                                                    \
+                    else if (TX > 4 && mc == 4) GROUP(SUF, 4);                                          \
+                    else if (TX > 5 && mc == 5) GROUP(SUF, 5);                                          \
+                    else if (TX > 6 && mc == 6) GROUP(SUF, 6);                                          \
+                    else GROUP(SUF, 7);                                                                 \
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
     }
 
+#define GROUP(SUF, MC) group_##SUF(wtype, gw, nb, xq + xo * QK, xd + xo, xc + xo, MC, yt, N, RR * g)
 #define R_X_CHUNK_BYTES (256 * 1024)
 
-R_LOOP(avx2, AVX2_TARGET, 0)
-R_LOOP(vnni, VNNI_TARGET, 1)
-R_LOOP(vnni512, VNNI512_TARGET, 2)
+#ifndef R_TX2
+#define R_TX2 4
+#endif
+#ifndef R_TX1
+#define R_TX1 4
+#endif
+#ifndef R_TX512
+#define R_TX512 8
+#endif
+R_LOOP(avx2, AVX2_TARGET, 0, R_TX2)
+R_LOOP(vnni, VNNI_TARGET, 1, R_TX1)
+R_LOOP(vnni512, VNNI512_TARGET, 2, R_TX512)
 
 /* each format a constant, so each gets a loop of its own with no test of it inside */
 #define BY_FORMAT(FN)                                                                                   \
