@@ -819,23 +819,14 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
 }
 
 /* The 64 high bits of a Q5_0 pair (bit i: lane i, lanes 32.. block 1's) in LM_Q5_0X's order
- * (lane 8L + k in bit L of byte k), or back: the transpose of an 8 x 8 bit matrix (byte L bit
- * k to byte k bit L), its own inverse; three exchanges of bit blocks (Hacker's Delight,
- * transpose8), where a loop over the 64 bits made a fifth of a model's load. */
-static uint64_t transpose_bits(uint64_t x) {
-    uint64_t t = (x ^ (x >> 7)) & 0x00AA00AA00AA00AAull;
-    x ^= t ^ (t << 7);
-    t = (x ^ (x >> 14)) & 0x0000CCCC0000CCCCull;
-    x ^= t ^ (t << 14);
-    t = (x ^ (x >> 28)) & 0x00000000F0F0F0F0ull;
-    return x ^ t ^ (t << 28);
-}
+ * (lane 8L + k in bit L of byte k), or back: lm_transpose_bits. */
+#define transpose_bits lm_transpose_bits
 
 /* Q4_0 / Q5_0 rows (K a multiple of 64) in pairs (``packed``: Q4_0P, Q5_0P or Q5_0X, see
  * above), or back with reverse: the same bytes rearranged, so a file's blocks can be kept
  * either way. */
-int lm_repack(const uint8_t *w, int packed, int N, int K, uint8_t *out, int reverse) {
-    if (lm_rows8_type(packed)) return lm_rows8_repack(w, packed, N, K, out, reverse);
+int lm_repack(const uint8_t *w, int packed, int N, int K, uint8_t *out, int reverse, int n_threads) {
+    if (lm_rows8_type(packed)) return lm_rows8_repack(w, packed, N, K, out, reverse, n_threads);
     if ((packed != LM_Q5_0P && packed != LM_Q4_0P && packed != LM_Q5_0X) || K % (2 * QK) != 0 || N < 0)
         return LM_EINVAL;
     const int five = packed != LM_Q4_0P, bb = five ? 22 : 18, qs_at = five ? 6 : 2, nib_at = five ? 12 : 4;

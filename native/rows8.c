@@ -295,13 +295,42 @@ int lm_rows8_matmul(int level, int wtype, const uint8_t *w, int N, int nb, const
     return LM_OK;
 }
 
+/* The high bits of a group-block's 4 parts (out: its bytes after the scales) from its 8 rows'
+ * Q5_0 blocks (the first at blk, the next row's row_bytes on). Part j wants lane i = 4r + t's
+ * bit of weight 4j + t in bit i / 8 of byte i % 8, of weight 4j + 16 + t in bit 4 + i / 8: the
+ * transpose of the 8 x 8 bits whose byte L holds, for L < 4, rows 2L and 2L + 1's four bits
+ * from 4j (low and high nibble), for L >= 4 those from 4j + 16 of rows 2(L - 4) and 2(L - 4) + 1. */
+static void high_bits(const uint8_t *blk, size_t row_bytes, uint8_t *out) {
+    uint32_t qh[RR];
+    for (int r = 0; r < RR; r++) memcpy(&qh[r], blk + r * row_bytes + 2, 4);
+    for (int j = 0; j < 4; j++) {
+        uint64_t m = 0;
+        for (int L = 0; L < 8; L++) {
+            const int r = 2 * (L % 4), at = 4 * j + 16 * (L / 4);
+            m |= (uint64_t)(((qh[r] >> at) & 15) | ((qh[r + 1] >> at) & 15) << 4) << (8 * L);
+        }
+        m = lm_transpose_bits(m);
+        memcpy(out + (size_t)j * 40, &m, 8);
+    }
+}
+
 /* N rows of K weights (N a multiple of 8) from the file's blocks (Q4_0, Q5_0, Q8_0) into
  * ``packed`` (LM_Q4_0R, LM_Q5_0R, LM_Q8_0R), or back with reverse. */
-int lm_rows8_repack(const uint8_t *w, int packed, int N, int K, uint8_t *out, int reverse) {
-    if (!lm_rows8_type(packed) || N % RR != 0 || N < 0 || K % QK != 0) return LM_EINVAL;
-    const int bb = r_block_bytes(packed), nb = K / QK, five = packed == LM_Q5_0R, off = r_offset(packed);
+typedef struct {
+    const uint8_t *w;
+    uint8_t *out;
+    int packed, N, nb, reverse;
+} repack_job_t;
+
+static void repack_part(void *p, int part, int parts) {
+    const repack_job_t *J = (const repack_job_t *)p;
+    const uint8_t *w = J->w;
+    uint8_t *out = J->out;
+    const int packed = J->packed, nb = J->nb, reverse = J->reverse, groups = J->N / RR;
+    const int bb = r_block_bytes(packed), five = packed == LM_Q5_0R, off = r_offset(packed);
     const int qs_at = packed == LM_Q8_0R ? 2 : five ? 6 : 2;
-    for (int g = 0; g < N / RR; g++)
+    const int g0 = (int)((int64_t)groups * part / parts), g1 = (int)((int64_t)groups * (part + 1) / parts);
+    for (int g = g0; g < g1; g++)
         for (int b = 0; b < nb; b++) {
             uint8_t *gb = (reverse ? (uint8_t *)w : out) + ((size_t)g * nb + b) * RR * bb;
             const uint8_t *gbr = gb;
@@ -327,22 +356,23 @@ int lm_rows8_repack(const uint8_t *w, int packed, int N, int K, uint8_t *out, in
                 }
                 memcpy(gb + 2 * r, blk, 2);
                 uint8_t *q = gb + 16;
-                uint32_t qh = 0;
-                if (five) memcpy(&qh, blk + 2, 4);
-                for (int pos = 0; pos < QK; pos++) {
-                    const int k = pos / 4, lane = 4 * r + pos % 4;
-                    if (packed == LM_Q8_0R) {
-                        q[32 * k + lane] = blk[2 + pos];
-                        continue;
-                    }
-                    /* the file's weight pos: byte pos % 16, low nibble below 16 */
-                    const int u = ((blk[qs_at + pos % 16] >> (pos < 16 ? 0 : 4)) & 15) | (five ? ((qh >> pos) & 1) << 4 : 0);
-                    const int j = k % 4, hi = k / 4;
-                    uint8_t *part = q + (size_t)j * (five ? 40 : 32), *nib = part + (five ? 8 : 0);
-                    nib[lane] |= (uint8_t)((u & 15) << (4 * hi));
-                    if (five) part[lane % 8] |= (uint8_t)(((u >> 4) & 1) << (lane / 8 + 4 * hi));
+                if (packed == LM_Q8_0R) { /* chunk k: 4 bytes a row */
+                    for (int k = 0; k < 8; k++) memcpy(q + 32 * k + 4 * r, blk + 2 + 4 * k, 4);
+                    continue;
                 }
+                /* part j's byte 4r + t holds weights 4j + t (low nibble) and 4j + 16 + t (high):
+                 * the file's byte 4j + t of the row as it is */
+                for (int j = 0; j < 4; j++) memcpy(q + (size_t)j * (five ? 40 : 32) + (five ? 8 : 0) + 4 * r, blk + qs_at + 4 * j, 4);
             }
+            if (!reverse && five) high_bits(w + ((size_t)RR * g * nb + b) * bb, (size_t)nb * bb, gb + 16);
         }
+}
+
+int lm_rows8_repack(const uint8_t *w, int packed, int N, int K, uint8_t *out, int reverse, int n_threads) {
+    if (!lm_rows8_type(packed) || N % RR != 0 || N < 0 || K % QK != 0) return LM_EINVAL;
+    repack_job_t J = {w, out, packed, N, K / QK, reverse};
+    /* over the threads: a model's load repacks its every Q4_0 / Q5_0 / Q8_0 matrix */
+    const size_t bytes = (size_t)N * (K / QK) * r_block_bytes(packed);
+    lm_pool_run(repack_part, &J, bytes >= (1u << 20) && n_threads > 1 ? n_threads : 1);
     return LM_OK;
 }

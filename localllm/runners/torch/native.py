@@ -86,7 +86,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, bool]:
     lib.lm_dequantize.restype = ci
     lib.lm_dequantize.argtypes = [vp, ci, ci, ci, vp]
     lib.lm_repack.restype = ci
-    lib.lm_repack.argtypes = [vp, ci, ci, ci, vp, ci]
+    lib.lm_repack.argtypes = [vp, ci, ci, ci, vp, ci, ci]
     for name in ("lm_isa", "lm_isa_detected", "lm_isa_tiers"):
         getattr(lib, name).restype = ci
         getattr(lib, name).argtypes = []
@@ -283,15 +283,16 @@ def rows8_kind(kind: str, n: int) -> str | None:
 
 
 def repack(blocks: torch.Tensor, kind: str, reverse: bool = False, packed: str | None = None) -> torch.Tensor:
-    """A Q4_0 or Q5_0 matrix's blocks (N, K / 32 * block bytes), K a multiple of 64, in the
-    layout ``packed`` of pairs (default: ``pairs_kind(kind)``, the one this tier unpacks
-    fastest; the same bytes rearranged: the same products, bit for bit), or back from it with
-    ``reverse``."""
+    """A Q4_0, Q5_0 or Q8_0 matrix's blocks (N, K / 32 * block bytes) in the layout ``packed``, or
+    back from it with ``reverse``: Q4_0 / Q5_0 in pairs, K a multiple of 64 (default:
+    ``pairs_kind(kind)``, the one this tier unpacks fastest; the same bytes rearranged: the same
+    products, bit for bit), or any of the three with 8 rows interleaved, N a multiple of 8
+    (``rows8_kind``), over torch's threads."""
     packed = packed or pairs_kind(kind)
     out = torch.empty_like(blocks)
     n, row = blocks.shape
     rc = _required().lm_repack(blocks.contiguous().data_ptr(), PACKED_TYPES[packed], n,
-                               row * 32 // BLOCK_BYTES[kind], out.data_ptr(), int(reverse))
+                               row * 32 // BLOCK_BYTES[kind], out.data_ptr(), int(reverse), torch.get_num_threads())
     if rc:
         raise ValueError(f"{kind} blocks of shape {tuple(blocks.shape)} cannot be repacked as {packed}")
     return out
