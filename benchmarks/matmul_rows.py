@@ -1,9 +1,9 @@
-"""The torch runner's native matmuls on one model's own matrices, at 1, 2, 3, 4 and 8 rows of x:
+"""The torch runner's native matmuls on one model's own matrices, at 1, 2, 3, 4 and 8 rows of x (--rows):
 what a step of n tokens costs in its matmuls alone (a draft's check, a batch of streams), per
 block format, against one row.
 
     python benchmarks/matmul_rows.py [--model qwen2.5-coder-0.5b] [--threads 2] [--rounds 5]
-                                     [--against OTHER_BUILD.so] [--against-layout]
+                                     [--rows 1,2,3,4,8] [--against OTHER_BUILD.so] [--against-layout]
 
 Every matrix of the model is multiplied in turn (as a step does: each one read from memory),
 rounds times; the figures are medians per matrix, summed over the model. --against names
@@ -84,9 +84,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--against", help="another build of localllm._native to compare with")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="the counts of rows of x, comma-separated")
     parser.add_argument("--against-layout", action="store_true",
                         help="compare with the layouts of before the 8 interleaved rows, in this build")
     args = parser.parse_args()
+    rows = tuple(int(r) for r in args.rows.split(","))
     torch.set_num_threads(args.threads)
     config = EngineConfig(model_path=model_path(args.model), n_threads=args.threads, runner="torch",
                           cache=CacheConfig(n_ctx=512))
@@ -106,13 +108,13 @@ def main() -> None:
         builds = {"--against": other, **builds}
         of_build["--against"] = layers
     # seconds[build][rows][(kind, n, k)] -> per-round sums over the matrices of that shape
-    seconds: dict = {b: {m: defaultdict(list) for m in ROWS} for b in builds}
+    seconds: dict = {b: {m: defaultdict(list) for m in rows} for b in builds}
     g = torch.Generator().manual_seed(0)
-    xs = {m: {k: torch.randn(m, k, generator=g) for k in {layer.in_features for layer in layers}} for m in ROWS}
+    xs = {m: {k: torch.randn(m, k, generator=g) for k in {layer.in_features for layer in layers}} for m in rows}
     for _ in range(args.rounds):
         for name, fn in builds.items():
             time.sleep(0.01)  # the other build's pool workers spin 50 us after their last call, then sleep
-            for m in ROWS:
+            for m in rows:
                 per_shape: dict = defaultdict(float)
                 for layer in of_build[name]:
                     per_shape[(layer.kind, layer.matmul.n, layer.in_features)] += timed(
@@ -124,11 +126,11 @@ def main() -> None:
     for name in builds:
         shapes = sorted(seconds[name][1])
         print(f"\n{name}: milliseconds a step spends in each kind of matrix, by rows of x")
-        print("| matrix (kind, out x in, count summed) | " + " | ".join(f"{m} row{'s' * (m > 1)}" for m in ROWS) + " |")
-        print("|---|" + "---|" * len(ROWS))
+        print("| matrix (kind, out x in, count summed) | " + " | ".join(f"{m} row{'s' * (m > 1)}" for m in rows) + " |")
+        print("|---|" + "---|" * len(rows))
         for shape in shapes + ["all"]:
             cells = []
-            for m in ROWS:
+            for m in rows:
                 if shape == "all":
                     v = sum(median(seconds[name][m][s]) for s in shapes)
                     one = sum(median(seconds[name][1][s]) for s in shapes)
@@ -141,7 +143,7 @@ def main() -> None:
         def total(name, m):
             return sum(median(v) for v in seconds[name][m].values())
         print("\nthis build against --against, all matrices: " + ", ".join(
-            f"{m} row{'s' * (m > 1)} {total('this build', m) / total('--against', m):.2f}x" for m in ROWS))
+            f"{m} row{'s' * (m > 1)} {total('this build', m) / total('--against', m):.2f}x" for m in rows))
     runner.close()
 
 
