@@ -114,6 +114,8 @@ def test_bad_shapes_are_refused_with_a_clear_error():
     blocks = blocks_of(np.ones((8, 64), dtype=np.float32), "Q5_0")
     with pytest.raises(ValueError, match="do not hold"):
         native.qmatmul(torch.ones(1, 96), blocks, "Q5_0")
+    with pytest.raises(ValueError, match="8 rows at a time: 12 rows"):  # interleaved rows: whole groups only
+        native.qmatmul(torch.ones(1, 64), blocks_of(np.ones((12, 64), dtype=np.float32), "Q5_0"), "Q5_0R")
 
 
 vector = pytest.mark.skipif(not native.vector_loops(), reason="the CPU has no AVX2")

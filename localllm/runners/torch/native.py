@@ -35,6 +35,7 @@ SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 # "Q4_0R" / "Q5_0R" / "Q8_0R" hold 8 rows interleaved, a block at a time (native/rows8.c): one
 # lane a row, one float sum a row; every tier reads them (``rows8_kind``).
 PACKED_TYPES = {"Q4_0P": 102, "Q5_0P": 106, "Q5_0X": 116, "Q4_0R": 122, "Q5_0R": 126, "Q8_0R": 128}
+ROWS8_TYPES = ("Q4_0R", "Q5_0R", "Q8_0R")
 UNPACKED = {"Q4_0P": "Q4_0", "Q5_0P": "Q5_0", "Q5_0X": "Q5_0", "Q4_0R": "Q4_0", "Q5_0R": "Q5_0", "Q8_0R": "Q8_0"}
 _ERRORS = {1: "invalid arguments", 2: "out of memory"}
 # Instruction-set tiers, lowest first, as native/isa.c numbers them (LM_ISA_*): AVX-VNNI is AVX2 with
@@ -207,6 +208,9 @@ class QMatmul:
         n = blocks.shape[0]
         if not blocks.is_contiguous() or blocks.dim() != 2 or blocks.shape[1] != row_bytes(kind, k):
             raise ValueError(f"{kind} blocks of shape {tuple(blocks.shape)} do not hold a ({n}, {k}) matrix")
+        if kind in ROWS8_TYPES and n % 8:
+            raise ValueError(f"{kind} blocks hold 8 rows at a time: {n} rows do not make whole groups "
+                             f"(keep such a matrix as {UNPACKED[kind]})")
         self.blocks, self.n, self.k = blocks, n, k  # (holding blocks keeps the pointer valid)
         self.code = BLOCK_TYPES.get(kind) or K_TYPES.get(kind) or PACKED_TYPES[kind]
         self.fn, self.w = _required().lm_qmatmul, blocks.data_ptr()
