@@ -202,7 +202,7 @@ R_PART(VNNI512_TARGET, vnni512)
         for (int i = 0; i < mc; i++) _mm256_storeu_ps(y + (size_t)i * N + n, acc[i]);                   \
     }                                                                                                   \
                                                                                                         \
-    /* Groups g0..g1 against the M rows of x: x in chunks of at most R_X_CHUNK rows, which a    \
+    /* Groups g0..g1 against the M rows of x: x in chunks of at most R_X_CHUNK_BYTES, which a    \
      * core's cache holds while every group of the part meets them, TX rows at a time. */          \
     TARGET static void groups_##SUF(int wtype, const uint8_t *w, int g0, int g1, int nb, const int8_t *xq,  \
                                     const float *xd, const int32_t *xc, int M, float *y, int N) {        \
