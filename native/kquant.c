@@ -32,9 +32,11 @@ typedef struct {
     int32_t corr[QKK / 4]; /* -32 * the sums of each 4 values (Q6_K's offset, for VNNI) */
     int16_t q32[QKK / 2];  /* 32 * the sums of each 2 values (Q6_K's offset, for AVX2's maddubs) */
     int32_t bsum32[8];     /* sums of each 32 values (the mins of Q4_K and Q5_K) */
+    int16_t bs32h[8];      /* the same in 16 bits, and the sums of each 16 (Q6_K's offset), */
+    int16_t bs16[16];      /* for the interleaved rows' madd by pairs */
     float d;
-    int32_t pad[7];
-} xk_t; /* 832 bytes, a multiple of 64 */
+    int32_t pad[11];
+} xk_t; /* 896 bytes, a multiple of 64 */
 
 static inline int kquant_bytes(int wtype) { /* inlined, where lm_kquant_bytes is not (qmatmul.c's block_bytes) */
     switch (wtype) {
@@ -79,6 +81,12 @@ static void quantize_row_k(const float *x, int nsb, xk_t *out) {
             int32_t sum = 0;
             for (int i = 0; i < 32; i++) sum += o->q[32 * j + i];
             o->bsum32[j] = sum;
+            o->bs32h[j] = (int16_t)sum; /* |sum| <= 32 * 127 */
+        }
+        for (int j = 0; j < 16; j++) {
+            int32_t sum = 0;
+            for (int i = 0; i < 16; i++) sum += o->q[16 * j + i];
+            o->bs16[j] = (int16_t)sum;
         }
         o->d = 1.0f / iscale;
     }
@@ -488,6 +496,369 @@ VNNI512_TARGET static void rows_512(int wtype, const uint8_t *w, size_t rb, int 
 }
 #endif
 
+/* ---- 8 rows interleaved: LM_Q4_KR, LM_Q6_KR ----------------------------------------------
+ * Q4_K and Q6_K matrices of a multiple of 8 rows kept as rows8.c keeps Q4_0 / Q5_0 / Q8_0: a
+ * group of 8 rows is nsb group-blocks, each the 8 rows' super-blocks rearranged so that a
+ * 256-bit vector holds 4 weights of each row. x's 4 values at a time are broadcast, one product
+ * gives 8 rows' partial sums, and a super-block's sums are scaled, converted and added once for
+ * 8 rows, where the lanes contract above adds 16 lanes a row.
+ *
+ * The definition every tier computes (kr_rows_scalar), per row of W and row of x: per
+ * super-block, S = the sum over its sub-blocks of the sub-block's scale times its products
+ * (Q6_K: of q - 32; exact in integers), then acc = fmaf((float)S, d_w * d_x, acc); Q4_K then
+ * acc = fmaf((float)-Mn, dmin_w * d_x, acc), Mn = the sum of the 8 mins times x's sums per 32.
+ * Super-block after super-block from 0: one float sum a row, whatever rows surround it.
+ *
+ * A group-block, row r's bytes at r (a row's share: Q4_KR 148 bytes, 4 more than the file's
+ * 144, its scales unpacked; Q6_KR 210, as the file's):
+ *   Q4_KR: d[8] f16 (0), dmin[8] f16 (16), scales (32: sub-block p's at 8p + r) and mins (96:
+ *          likewise) as bytes, then the nibbles (160): part q (the file's qs[32q..32q + 31]) is
+ *          8 chunks of 32 bytes, chunk k's byte 4r + t row r's qs[32q + 4k + t] as stored: its
+ *          low nibble weight 64q + 4k + t, its high nibble weight 64q + 32 + 4k + t.
+ *   Q6_KR: d[8] f16 (0), scales int8 (16: sub-block j's at 8j + r), ql (144: part c = the
+ *          file's ql[32c..32c + 31], 8 chunks of 32 bytes as Q4_KR's), qh (1168: part h = the
+ *          file's qh[32h..32h + 31] likewise). Piece P = 4h + m (weights 32P..32P + 31) takes
+ *          ql part 2h + m % 2, the low nibbles for m < 2 and the high ones after, and qh bits
+ *          2m, 2m + 1 of part h, as the file does. */
+#define KR_ROWS 8
+
+static inline int kr_bytes(int wtype) { return wtype == LM_Q4_KR ? 148 : wtype == LM_Q6_KR ? 210 : 0; }
+
+int lm_kquant_rows8_type(int wtype) { return kr_bytes(wtype) != 0; }
+
+/* Row r's 256 weights of a group-block as unsigned values (Q6_K's q, not q - 32), its scales
+ * (Q4_KR: 8, one per 32; Q6_KR: 16, one per 16), mins (Q4_KR) and d, dmin. */
+static void kr_unpack(int wtype, const uint8_t *gb, int r, uint8_t u[QKK], int32_t sc[16], int32_t mn[8], float *d,
+                      float *dmin) {
+    *d = f16_at(gb + 2 * r);
+    if (wtype == LM_Q4_KR) {
+        *dmin = f16_at(gb + 16 + 2 * r);
+        for (int p = 0; p < 8; p++) {
+            sc[p] = gb[32 + 8 * p + r];
+            mn[p] = gb[96 + 8 * p + r];
+        }
+        for (int q = 0; q < 4; q++)
+            for (int l = 0; l < 32; l++) {
+                const uint8_t b = gb[160 + 256 * q + 32 * (l / 4) + 4 * r + l % 4];
+                u[64 * q + l] = b & 15;
+                u[64 * q + 32 + l] = b >> 4;
+            }
+        return;
+    }
+    *dmin = 0.0f;
+    for (int j = 0; j < 16; j++) sc[j] = (int8_t)gb[16 + 8 * j + r];
+    for (int P = 0; P < 8; P++) {
+        const int h = P / 4, m = P % 4;
+        for (int l = 0; l < 32; l++) {
+            const int at = 32 * (l / 4) + 4 * r + l % 4;
+            const uint8_t L = gb[144 + 256 * (2 * h + m % 2) + at], H = gb[1168 + 256 * h + at];
+            u[32 * P + l] = (uint8_t)(((m >= 2 ? L >> 4 : L) & 15) | ((H >> (2 * m)) & 3) << 4);
+        }
+    }
+}
+
+/* The portable loop, and the definition the vector loops are held to. */
+static void kr_rows_scalar(int wtype, const uint8_t *w, int g0, int g1, int nsb, const xk_t *xk, int M, float *y,
+                           int N) {
+    const size_t gbb = (size_t)KR_ROWS * kr_bytes(wtype);
+    uint8_t u[QKK];
+    int32_t sc[16], mn[8];
+    float d, dmin;
+    for (int g = g0; g < g1; g++)
+        for (int r = 0; r < KR_ROWS; r++) {
+            const int n = KR_ROWS * g + r;
+            for (int m = 0; m < M; m++) y[(size_t)m * N + n] = 0.0f;
+            for (int s = 0; s < nsb; s++) {
+                kr_unpack(wtype, w + ((size_t)g * nsb + s) * gbb, r, u, sc, mn, &d, &dmin);
+                for (int m = 0; m < M; m++) {
+                    const xk_t *x = xk + (size_t)m * nsb + s;
+                    float *o = y + (size_t)m * N + n;
+                    int32_t S = 0, Mn = 0;
+                    if (wtype == LM_Q4_KR) {
+                        for (int p = 0; p < 8; p++) {
+                            int32_t dot = 0;
+                            for (int l = 0; l < 32; l++) dot += (int32_t)u[32 * p + l] * x->q[32 * p + l];
+                            S += sc[p] * dot;
+                            Mn += mn[p] * x->bsum32[p];
+                        }
+                        *o = fmaf((float)S, d * x->d, *o);
+                        *o = fmaf((float)-Mn, dmin * x->d, *o);
+                        continue;
+                    }
+                    int32_t C = 0;
+                    for (int j = 0; j < 16; j++) {
+                        int32_t dot = 0;
+                        for (int l = 0; l < 16; l++) dot += (int32_t)u[16 * j + l] * x->q[16 * j + l];
+                        S += sc[j] * dot;
+                        C += sc[j] * x->bs16[j];
+                    }
+                    *o = fmaf((float)(S - 32 * C), d * x->d, *o);
+                }
+            }
+        }
+}
+
+#ifdef LM_X86
+#define KR_X4(p) _mm256_castps_si256(_mm256_broadcast_ss((const float *)(const void *)(p)))
+#define KR_X_CHUNK_BYTES (256 * 1024)
+/* loops whose count the unpacking and the choice of sum depend on, unrolled, so each is a constant */
+#define KR_UNROLL _Pragma("GCC unroll 8")
+
+/* Q6_KR's piece m of a half (ql chunk L, qh chunk H) as unsigned bytes: the nibble, and qh's
+ * bits 2m, 2m + 1 brought to bits 4-5. */
+#define KR_Q6(TARGET, SUF)                                                                                  \
+    TARGET static inline __attribute__((always_inline)) __m256i q6u_##SUF(__m256i l, __m256i h, int m) {    \
+        const __m256i lo = _mm256_and_si256(m >= 2 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(0x0f));       \
+        const __m256i hb = m == 0 ? _mm256_slli_epi16(h, 4) : m == 1 ? _mm256_slli_epi16(h, 2)                  \
+                         : m == 2 ? h : _mm256_srli_epi16(h, 2);                                                 \
+        return _mm256_or_si256(lo, _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));                              \
+    }
+
+/* Group g's 8 rows against MC rows of x (a constant; xk: their super-blocks, row i's at
+ * xk + i * nsb). Q4_KR: a piece's 8 chunks summed, then times the 8 rows' scales: VNNI by
+ * vpdpbusd into 32 bits and a multiply; AVX2 by maddubs, added in 16 bits (u <= 15: 16 products
+ * a lane stay within them), then one madd by the scales. Q6_KR (u <= 63): two chunks' maddubs
+ * added in 16 bits, then madd by the scales and an add (AVX2) or vpdpwssd (VNNI), the chunks of
+ * a half's 4 pieces unpacked from the same 6 loads; with 1 or 2 rows of x into 4 or 2 sums a row
+ * (one chain of adds would wait on itself). q - 32's offset: 32 times the scales by x's sums per
+ * 16, made by madd of pairs of sub-blocks. */
+#define KR_LOOP(SUF, TARGET, VNNI, TX)                                                                     \
+    KR_Q6(TARGET, SUF)                                                                                      \
+    TARGET static inline __attribute__((always_inline)) void kr_group_##SUF(                                \
+        int wtype, const uint8_t *gw, int nsb, const xk_t *xk, int mc, float *y, int N, int n) {            \
+        const size_t gbb = (size_t)KR_ROWS * kr_bytes(wtype);                                              \
+        const __m256i m0f = _mm256_set1_epi8(0x0f);                                                         \
+        __m256 acc[8];                                                                                      \
+        for (int i = 0; i < mc; i++) acc[i] = _mm256_setzero_ps();                                          \
+        for (int s = 0; s < nsb; s++) {                                                                     \
+            const uint8_t *gb = gw + (size_t)s * gbb;                                                       \
+            for (size_t o = 0; o < gbb; o += 64) LM_PREFETCH(gb + o);                                       \
+            __m256i isum[8], corr[8];                                                                       \
+            for (int i = 0; i < mc; i++) isum[i] = corr[i] = _mm256_setzero_si256();                        \
+            if (wtype == LM_Q4_KR) {                                                                        \
+                KR_UNROLL for (int p = 0; p < 8; p++) {                                                     \
+                    const uint8_t *v = gb + 160 + 256 * (p / 2);                                            \
+                    const __m128i s8 = _mm_loadl_epi64((const __m128i *)(gb + 32 + 8 * p));                 \
+                    __m256i d[8];                                                                           \
+                    for (int i = 0; i < mc; i++) d[i] = _mm256_setzero_si256();                             \
+                    KR_UNROLL for (int k = 0; k < 8; k++) {                                                 \
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(v + 32 * k));              \
+                        const __m256i u = _mm256_and_si256(p % 2 ? _mm256_srli_epi16(raw, 4) : raw, m0f);   \
+                        for (int i = 0; i < mc; i++) {                                                      \
+                            const __m256i x4 = KR_X4(xk[(size_t)i * nsb + s].q + 32 * p + 4 * k);           \
+                            if (VNNI == 1) d[i] = _mm256_dpbusd_avx_epi32(d[i], u, x4);                     \
+                            else if (VNNI == 2) d[i] = _mm256_dpbusd_epi32(d[i], u, x4);                    \
+                            else d[i] = _mm256_add_epi16(d[i], _mm256_maddubs_epi16(u, x4));                \
+                        }                                                                                   \
+                    }                                                                                       \
+                    if (VNNI) {                                                                             \
+                        const __m256i sc = _mm256_cvtepu8_epi32(s8);                                        \
+                        for (int i = 0; i < mc; i++) isum[i] = _mm256_add_epi32(isum[i], _mm256_mullo_epi32(d[i], sc)); \
+                    } else {                                                                                \
+                        const __m256i sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s8, s8));                 \
+                        for (int i = 0; i < mc; i++) isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(d[i], sc)); \
+                    }                                                                                       \
+                }                                                                                           \
+                for (int pp = 0; pp < 4; pp++) { /* the mins, by pairs of sub-blocks */                     \
+                    const __m256i mp = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(                              \
+                        _mm_loadl_epi64((const __m128i *)(gb + 96 + 16 * pp)),                             \
+                        _mm_loadl_epi64((const __m128i *)(gb + 104 + 16 * pp))));                          \
+                    for (int i = 0; i < mc; i++)                                                            \
+                        corr[i] = _mm256_add_epi32(corr[i], _mm256_madd_epi16(mp, KR_X4(xk[(size_t)i * nsb + s].bs32h + 2 * pp))); \
+                }                                                                                           \
+            } else {                                                                                        \
+                const int nch = mc == 1 ? 4 : mc == 2 ? 2 : 1;                                              \
+                __m256i ch[8][4];                                                                           \
+                for (int i = 0; i < mc; i++)                                                                \
+                    for (int c = 0; c < nch; c++) ch[i][c] = _mm256_setzero_si256();                        \
+                KR_UNROLL for (int h = 0; h < 2; h++)                                                       \
+                    KR_UNROLL for (int m = 0; m < 4; m++) /* piece P = 4h + m: ql part 2h + m % 2, qh part h */      \
+                        KR_UNROLL for (int half = 0; half < 2; half++) { /* sub-block 2P + half: chunks 4half.. */   \
+                            const int P = 4 * h + m;                                                        \
+                            const uint8_t *l = gb + 144 + 256 * (2 * h + m % 2) + 128 * half;               \
+                            const uint8_t *hq = gb + 1168 + 256 * h + 128 * half;                           \
+                            const __m128i s8 = _mm_loadl_epi64((const __m128i *)(gb + 16 + 8 * (2 * P + half))); \
+                            const __m256i sc = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s8, s8));             \
+                            KR_UNROLL for (int kk = 0; kk < 2; kk++) { /* chunks 4half + 2kk, and the next */       \
+                                const __m256i u0 = q6u_##SUF(_mm256_loadu_si256((const __m256i *)(l + 64 * kk)), \
+                                                             _mm256_loadu_si256((const __m256i *)(hq + 64 * kk)), m); \
+                                const __m256i u1 = q6u_##SUF(_mm256_loadu_si256((const __m256i *)(l + 64 * kk + 32)), \
+                                                             _mm256_loadu_si256((const __m256i *)(hq + 64 * kk + 32)), m); \
+                                for (int i = 0; i < mc; i++) {                                              \
+                                    const int8_t *xq = xk[(size_t)i * nsb + s].q + 32 * P + 16 * half + 8 * kk; \
+                                    const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(u0, KR_X4(xq)), \
+                                                                         _mm256_maddubs_epi16(u1, KR_X4(xq + 4))); \
+                                    __m256i *c = &ch[i][(2 * m + kk) % nch];                                \
+                                    if (VNNI == 1) *c = _mm256_dpwssd_avx_epi32(*c, p16, sc);               \
+                                    else if (VNNI == 2) *c = _mm256_dpwssd_epi32(*c, p16, sc);              \
+                                    else *c = _mm256_add_epi32(*c, _mm256_madd_epi16(p16, sc));             \
+                                }                                                                           \
+                            }                                                                               \
+                        }                                                                                   \
+                for (int i = 0; i < mc; i++)                                                                \
+                    for (int c = 0; c < nch; c++) isum[i] = _mm256_add_epi32(isum[i], ch[i][c]);            \
+                for (int jj = 0; jj < 8; jj++) { /* 32 times the scales by x's sums per 16 */               \
+                    const __m256i sp = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(                              \
+                        _mm_loadl_epi64((const __m128i *)(gb + 16 + 16 * jj)),                             \
+                        _mm_loadl_epi64((const __m128i *)(gb + 24 + 16 * jj))));                           \
+                    for (int i = 0; i < mc; i++)                                                            \
+                        corr[i] = _mm256_add_epi32(corr[i], _mm256_madd_epi16(sp, KR_X4(xk[(size_t)i * nsb + s].bs16 + 2 * jj))); \
+                }                                                                                           \
+                for (int i = 0; i < mc; i++) isum[i] = _mm256_sub_epi32(isum[i], _mm256_slli_epi32(corr[i], 5)); \
+            }                                                                                               \
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gb));                        \
+            for (int i = 0; i < mc; i++) {                                                                  \
+                const __m256 dx = _mm256_set1_ps(xk[(size_t)i * nsb + s].d);                                \
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(dw, dx), acc[i]);        \
+            }                                                                                               \
+            if (wtype == LM_Q4_KR) {                                                                        \
+                const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + 16)));             \
+                for (int i = 0; i < mc; i++) {                                                              \
+                    const __m256 dx = _mm256_set1_ps(xk[(size_t)i * nsb + s].d);                            \
+                    const __m256i neg = _mm256_sub_epi32(_mm256_setzero_si256(), corr[i]);                  \
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(neg), _mm256_mul_ps(dm, dx), acc[i]);       \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int i = 0; i < mc; i++) _mm256_storeu_ps(y + (size_t)i * N + n, acc[i]);                       \
+    }                                                                                                       \
+                                                                                                            \
+    /* Groups g0..g1 against the M rows of x: x in chunks a core's cache holds while every group   \
+     * of the part meets them, TX rows at a time. */                                                        \
+    TARGET static void kr_groups_##SUF(int wtype, const uint8_t *w, int g0, int g1, int nsb, const xk_t *xk, \
+                                       int M, float *y, int N) {                                            \
+        const size_t gbb = (size_t)KR_ROWS * kr_bytes(wtype);                                              \
+        int chunk = (int)(KR_X_CHUNK_BYTES / ((size_t)nsb * sizeof(xk_t))) / TX * TX;                      \
+        if (chunk < TX) chunk = TX;                                                                         \
+        for (int c0 = 0; c0 < M; c0 += chunk) {                                                             \
+            const int c1 = M - c0 < chunk ? M : c0 + chunk;                                                 \
+            for (int g = g0; g < g1; g++) {                                                                 \
+                const uint8_t *gw = w + (size_t)g * nsb * gbb;                                              \
+                for (int m0 = c0; m0 < c1; m0 += TX) {                                                      \
+                    const xk_t *xt = xk + (size_t)m0 * nsb;                                                 \
+                    float *yt = y + (size_t)m0 * N;                                                         \
+                    const int mc = c1 - m0 < TX ? c1 - m0 : TX;                                             \
+                    KR_TILE(SUF, TX)                                                                        \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+    }
+
+#define KR_GROUP(SUF, MC) kr_group_##SUF(wtype, gw, nsb, xt, MC, yt, N, KR_ROWS * g)
+/* a tile of mc <= TX rows of x, its size a constant: the sums stay in registers */
+#define KR_TILE(SUF, TX)                                  \
+    {                                                     \
+        if (mc == TX) KR_GROUP(SUF, TX);                  \
+        else if (mc == 1) KR_GROUP(SUF, 1);               \
+        else if (mc == 2) KR_GROUP(SUF, 2);               \
+        else if (mc == 3) KR_GROUP(SUF, 3);               \
+        else if (TX > 4 && mc == 4) KR_GROUP(SUF, 4);     \
+        else if (TX > 5 && mc == 5) KR_GROUP(SUF, 5);     \
+        else if (TX > 6 && mc == 6) KR_GROUP(SUF, 6);     \
+        else KR_GROUP(SUF, 7);                            \
+    }
+
+/* tiles of 4 rows of x on the 256-bit tiers (16 registers), 8 on AVX-512 (32) */
+KR_LOOP(avx2, AVX2_TARGET, 0, 3)
+KR_LOOP(vnni, VNNI_TARGET, 1, 4)
+KR_LOOP(vnni512, VNNI512_TARGET, 2, 8)
+
+/* each format a constant, so each gets a loop of its own */
+#define KR_BY_FORMAT(FN)                                                          \
+    do {                                                                          \
+        if (wtype == LM_Q4_KR) FN(LM_Q4_KR, w, g0, g1, nsb, xk, M, y, N);         \
+        else FN(LM_Q6_KR, w, g0, g1, nsb, xk, M, y, N);                           \
+    } while (0)
+#endif
+
+/* Groups of 8 rows dealt out in order, each against all M rows of x. */
+static void kr_part(int level, int wtype, const uint8_t *w, int N, int nsb, const xk_t *xk, int M, float *y,
+                    int part, int parts) {
+    const int groups = N / KR_ROWS, per = (groups + parts - 1) / parts;
+    const int g0 = part * per, g1 = (part + 1) * per < groups ? (part + 1) * per : groups;
+    if (g0 >= g1) return;
+#ifdef LM_X86
+    if (level == LM_ISA_AVX512VNNI) {
+        KR_BY_FORMAT(kr_groups_vnni512);
+        return;
+    }
+    if (level == LM_ISA_AVXVNNI) {
+        KR_BY_FORMAT(kr_groups_vnni);
+        return;
+    }
+    if (level == LM_ISA_AVX2) {
+        KR_BY_FORMAT(kr_groups_avx2);
+        return;
+    }
+#endif
+    (void)level;
+    kr_rows_scalar(wtype, w, g0, g1, nsb, xk, M, y, N);
+}
+
+/* N rows of K weights (N a multiple of 8) from the file's Q4_K / Q6_K super-blocks into
+ * ``packed`` (LM_Q4_KR, LM_Q6_KR), or back with reverse: the file's bytes exactly (Q4_K's 12
+ * bytes of 6-bit scales and mins hold nothing else). */
+typedef struct {
+    const uint8_t *w;
+    uint8_t *out;
+    int packed, nsb, groups, reverse;
+} kr_repack_job_t;
+
+static void kr_repack_part(void *p, int part, int parts) {
+    const kr_repack_job_t *J = (const kr_repack_job_t *)p;
+    const int packed = J->packed, nsb = J->nsb, reverse = J->reverse, four = packed == LM_Q4_KR;
+    const int sb = four ? 144 : 210, gbb = KR_ROWS * kr_bytes(packed);
+    const int g0 = (int)((int64_t)J->groups * part / parts), g1 = (int)((int64_t)J->groups * (part + 1) / parts);
+    for (int g = g0; g < g1; g++)
+        for (int s = 0; s < nsb; s++) {
+            uint8_t *gb = (reverse ? (uint8_t *)J->w : J->out) + ((size_t)g * nsb + s) * gbb;
+            for (int r = 0; r < KR_ROWS; r++) {
+                uint8_t *blk = (reverse ? J->out : (uint8_t *)J->w) + ((size_t)(KR_ROWS * g + r) * nsb + s) * sb;
+                /* (to, from, bytes): the file's block and the group-block, one way or the other */
+#define KR_MOVE(at_blk, at_gb, bytes) \
+    (reverse ? memcpy(blk + (at_blk), gb + (at_gb), bytes) : memcpy(gb + (at_gb), blk + (at_blk), bytes))
+                if (four) {
+                    KR_MOVE(0, 2 * r, 2);
+                    KR_MOVE(2, 16 + 2 * r, 2);
+                    for (int q = 0; q < 4; q++)
+                        for (int k = 0; k < 8; k++) KR_MOVE(16 + 32 * q + 4 * k, 160 + 256 * q + 32 * k + 4 * r, 4);
+                    uint8_t *sc = gb + 32 + r, *mn = gb + 96 + r; /* a row's bytes, 8 apart */
+                    if (!reverse) {
+                        uint32_t sm[4];
+                        k4_scales(blk + 4, sm);
+                        const uint8_t *s8 = (const uint8_t *)sm;
+                        for (int p = 0; p < 8; p++) {
+                            sc[8 * p] = s8[p];
+                            mn[8 * p] = s8[8 + p];
+                        }
+                    } else {
+                        for (int j = 0; j < 4; j++) {
+                            blk[4 + j] = (uint8_t)(sc[8 * j] | (sc[8 * (j + 4)] >> 4) << 6);
+                            blk[8 + j] = (uint8_t)(mn[8 * j] | (mn[8 * (j + 4)] >> 4) << 6);
+                            blk[12 + j] = (uint8_t)((sc[8 * (j + 4)] & 15) | (mn[8 * (j + 4)] & 15) << 4);
+                        }
+                    }
+                    continue;
+                }
+                KR_MOVE(208, 2 * r, 2);
+                for (int j = 0; j < 16; j++) KR_MOVE(192 + j, 16 + 8 * j + r, 1);
+                for (int c = 0; c < 4; c++)
+                    for (int k = 0; k < 8; k++) KR_MOVE(32 * c + 4 * k, 144 + 256 * c + 32 * k + 4 * r, 4);
+                for (int h = 0; h < 2; h++)
+                    for (int k = 0; k < 8; k++) KR_MOVE(128 + 32 * h + 4 * k, 1168 + 256 * h + 32 * k + 4 * r, 4);
+#undef KR_MOVE
+            }
+        }
+}
+
+int lm_kquant_repack(const uint8_t *w, int packed, int N, int K, uint8_t *out, int reverse, int n_threads) {
+    if (!lm_kquant_rows8_type(packed) || N < 0 || N % KR_ROWS != 0 || K % QKK != 0) return LM_EINVAL;
+    kr_repack_job_t J = {w, out, packed, K / QKK, N / KR_ROWS, reverse};
+    const size_t bytes = (size_t)N * (K / QKK) * kr_bytes(packed);
+    lm_pool_run(kr_repack_part, &J, bytes >= (1u << 20) && n_threads > 1 ? n_threads : 1);
+    return LM_OK;
+}
+
 typedef struct {
     int level, wtype;
     const uint8_t *w;
@@ -500,6 +871,10 @@ typedef struct {
 /* Rows of W in runs of 8, dealt out in order; against all M rows of x, TILE_X at a time. */
 static void kmm_part(void *p, int part, int parts) {
     const kmm_job_t *J = (const kmm_job_t *)p;
+    if (lm_kquant_rows8_type(J->wtype)) {
+        kr_part(J->level, J->wtype, J->w, J->N, J->nsb, J->xk, J->M, J->y, part, parts);
+        return;
+    }
     const int runs = (J->N + 7) / 8, per = (runs + parts - 1) / parts;
     const int n0 = part * per * 8, n1 = (part + 1) * per * 8 < J->N ? (part + 1) * per * 8 : J->N;
     if (n0 >= n1) return;
@@ -522,8 +897,8 @@ static void kmm_part(void *p, int part, int parts) {
 
 int lm_qmatmul_k(const float *x, int M, int K, const uint8_t *w, int wtype, int N, float *y, int n_threads,
                  int level) {
-    const int sb = kquant_bytes(wtype);
-    if (sb == 0 || K % QKK != 0 || M < 0 || N < 0) return LM_EINVAL;
+    const int rows8 = lm_kquant_rows8_type(wtype), sb = rows8 ? kr_bytes(wtype) : kquant_bytes(wtype);
+    if (sb == 0 || K % QKK != 0 || M < 0 || N < 0 || (rows8 && N % KR_ROWS != 0)) return LM_EINVAL;
     const int nsb = K / QKK;
     xk_t *xk = aligned_alloc(64, sizeof(xk_t) * ((size_t)M * nsb + 1));
     if (xk == NULL) return LM_ENOMEM;

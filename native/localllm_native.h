@@ -47,11 +47,12 @@ static inline float lm_half_to_float(uint16_t h) {
 
 /* Bumped when a call changes and when a kernel's results change (the torch runner's prefix
  * cache fingerprint carries it: stored K/V are the bits these kernels computed). */
-#define LM_ABI_VERSION 11 /* 3: lm_paged_attention takes kv_type and the q8_0 scales; 4: lm_repack, lm_cpu_level; 5: rows.c;
+#define LM_ABI_VERSION 12 /* 3: lm_paged_attention takes kv_type and the q8_0 scales; 4: lm_repack, lm_cpu_level; 5: rows.c;
                             6: isa.c (lm_isa, lm_set_isa) in place of lm_cpu_level; 7: kquant.c (Q4_K, Q5_K,
                             Q6_K on every tier), tier 2 is AVX-VNNI; 8: Q5_0X, lm_repack takes the layout made;
                             9: layer.c (lm_layers_forward); 10: attention's AVX2 copy; 11: Q4_0R, Q5_0R,
-                            Q8_0R (8 rows interleaved, one float sum a row) */
+                            Q8_0R (8 rows interleaved, one float sum a row); 12: Q4_KR, Q6_KR likewise,
+                            lm_kquant_repack */
 
 /* What a KV pool holds (lm_paged_attention's kv_type). */
 #define LM_KV_F32 0
@@ -71,6 +72,8 @@ static inline float lm_half_to_float(uint16_t h) {
 #define LM_Q4_0R 122 /* Q4_0 / Q5_0 / Q8_0 with 8 rows interleaved, a block at a time (qmatmul.c) */
 #define LM_Q5_0R 126
 #define LM_Q8_0R 128
+#define LM_Q4_KR 112 /* Q4_K / Q6_K with 8 rows interleaved, a super-block at a time (kquant.c) */
+#define LM_Q6_KR 114
 
 typedef void (*lm_task_fn)(void *arg, int part, int parts);
 void lm_pool_run(lm_task_fn fn, void *arg, int parts);
@@ -92,6 +95,9 @@ int lm_rows8_type(int wtype);
 int lm_rows8_matmul(int level, int wtype, const uint8_t *w, int N, int nb, const int8_t *xq, const float *xd,
                     int M, float *y, int n_threads);
 int lm_rows8_repack(const uint8_t *w, int packed, int N, int K, uint8_t *out, int reverse, int n_threads);
+/* kquant.c: Q4_K / Q6_K with 8 rows interleaved (LM_Q4_KR, LM_Q6_KR), made by lm_kquant_repack */
+int lm_kquant_rows8_type(int wtype);
+int lm_kquant_repack(const uint8_t *w, int packed, int N, int K, uint8_t *out, int reverse, int n_threads);
 int lm_qmatmul_k(const float *x, int M, int K, const uint8_t *w, int wtype, int N, float *y, int n_threads,
                  int level);
 int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N, float *y, int n_threads,

@@ -751,7 +751,7 @@ static void mm_part(void *p, int part, int parts) {
 int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N, float *y, int n_threads,
                int force_scalar) {
     if (M < 0 || N < 0) return LM_EINVAL;
-    if (lm_kquant_bytes(wtype) != 0) /* kquant.c */
+    if (lm_kquant_bytes(wtype) != 0 || lm_kquant_rows8_type(wtype)) /* kquant.c */
         return lm_qmatmul_k(x, M, K, w, wtype, N, y, n_threads, force_scalar ? LM_ISA_SCALAR : lm_isa());
     if (lm_rows8_type(wtype)) { /* rows8.c, on x's blocks made here */
         if (K % QK != 0 || N % 8 != 0) return LM_EINVAL;
@@ -827,6 +827,7 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
  * either way. */
 int lm_repack(const uint8_t *w, int packed, int N, int K, uint8_t *out, int reverse, int n_threads) {
     if (lm_rows8_type(packed)) return lm_rows8_repack(w, packed, N, K, out, reverse, n_threads);
+    if (lm_kquant_rows8_type(packed)) return lm_kquant_repack(w, packed, N, K, out, reverse, n_threads);
     if ((packed != LM_Q5_0P && packed != LM_Q4_0P && packed != LM_Q5_0X) || K % (2 * QK) != 0 || N < 0)
         return LM_EINVAL;
     const int five = packed != LM_Q4_0P, bb = five ? 22 : 18, qs_at = five ? 6 : 2, nib_at = five ? 12 : 4;

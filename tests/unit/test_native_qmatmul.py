@@ -15,7 +15,7 @@ from localllm.runners.torch.quant import BlockLinear  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="localllm._native was not built here")
 KINDS = ["Q4_0", "Q5_0", "Q8_0"]
-ROWS8 = ["Q4_0R", "Q5_0R", "Q8_0R"]
+ROWS8 = ["Q4_0R", "Q5_0R", "Q8_0R", "Q4_KR", "Q6_KR"]
 
 
 def blocks_of(w: np.ndarray, kind: str) -> torch.Tensor:
@@ -116,6 +116,10 @@ def test_bad_shapes_are_refused_with_a_clear_error():
         native.qmatmul(torch.ones(1, 96), blocks, "Q5_0")
     with pytest.raises(ValueError, match="8 rows at a time: 12 rows"):  # interleaved rows: whole groups only
         native.qmatmul(torch.ones(1, 64), blocks_of(np.ones((12, 64), dtype=np.float32), "Q5_0"), "Q5_0R")
+    with pytest.raises(ValueError, match=r"8 rows at a time: 12 rows .*keep such a matrix as Q4_K"):
+        native.qmatmul(torch.ones(1, 256), torch.zeros(12, 148, dtype=torch.uint8), "Q4_KR")
+    with pytest.raises(ValueError, match="do not hold"):  # Q4_KR's rows are 148 bytes a super-block, not 144
+        native.qmatmul(torch.ones(1, 256), torch.zeros(8, 144, dtype=torch.uint8), "Q4_KR")
 
 
 vector = pytest.mark.skipif(not native.vector_loops(), reason="the CPU has no AVX2")
@@ -156,6 +160,40 @@ def test_k_quants_are_the_product_of_q8k_activations_and_the_files_weights(kind,
     alone = torch.cat([native.qmatmul(x[i:i + 1], blocks, kind) for i in range(m)])
     assert torch.equal(native.qmatmul(x, blocks, kind), alone)
     assert torch.equal(native.qmatmul(x, blocks, kind, force_scalar=True), alone)  # this tier's loop: the same bits
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quants_interleaved_by_eight_are_the_product_alike_and_pack_back(kind):
+    """Q4_KR / Q6_KR (native/kquant.c) hold the file's super-blocks 8 rows at a time (Q4_K's
+    6-bit scales and mins unpacked to bytes): they pack back to the file's bytes, give the
+    product of the Q8_K activations and the file's weights, one row's bits alone or among others,
+    on any thread count and stacked (a fused layer), and the lanes contract's result within
+    rounding. BlockLinear keeps a matrix of 8k rows so."""
+    rng = np.random.default_rng(22)
+    n, k = 48, 768
+    blocks = k_blocks(rng, n, k, kind)
+    rows8 = native.repack(blocks, kind, packed=kind + "R")
+    assert rows8.shape == (n, native.row_bytes(kind + "R", k)) and rows8.shape[1] == (444 if kind == "Q4_K" else 630)
+    assert torch.equal(native.repack(rows8, kind, reverse=True, packed=kind + "R"), blocks)
+    wq = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[kind])).double()
+    x = torch.from_numpy(rng.standard_normal((9, k)).astype(np.float32))
+    x[1, 256:512] = 0  # an all-zero super-block
+    got = native.qmatmul(x, rows8, kind + "R")
+    torch.testing.assert_close(got, (q8k_values(x).double() @ wq.t()).float(), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got, native.qmatmul(x, blocks, kind), atol=1e-4, rtol=1e-5)
+    assert torch.equal(got, native.qmatmul(x, rows8, kind + "R", force_scalar=True))
+    alone = torch.cat([native.qmatmul(x[i:i + 1], rows8, kind + "R") for i in range(9)])
+    assert torch.equal(got, alone)
+    for threads in (1, 2, 3):
+        assert torch.equal(native.qmatmul(x, rows8, kind + "R", n_threads=threads), got)
+    top, rest = (native.repack(blocks[a:b].contiguous(), kind, packed=kind + "R") for a, b in ((0, 16), (16, 48)))
+    assert torch.equal(native.qmatmul(x, torch.cat([top, rest]), kind + "R"), got)
+    layer = BlockLinear(blocks, kind)
+    assert layer.kind == kind + "R" and torch.equal(layer.tensors()["blocks"], blocks)
+    assert torch.equal(layer(x), got)
+    assert BlockLinear(blocks[:44].contiguous(), kind).kind == kind  # not a multiple of 8 rows
+    with pytest.raises(ValueError, match="cannot be repacked"):
+        native.repack(blocks[:44].contiguous(), kind, packed=kind + "R")
 
 
 @vector
@@ -208,10 +246,10 @@ def test_every_tile_of_rows_gives_the_portable_loops_bits(kind):
     of their own portable loop, which sums a row in one order)."""
     rng = np.random.default_rng(11)
     file_kind = native.UNPACKED.get(kind, kind)
-    k = 768 if kind in K_QUANTS else (704 if kind in native.PACKED_TYPES and kind not in ROWS8 else 736)
+    k = 768 if file_kind in K_QUANTS else (704 if kind in native.PACKED_TYPES and kind not in ROWS8 else 736)
     n = 40 if kind in ROWS8 else 37  # 8 rows interleaved: whole groups (37: a part run of 8 rows)
-    if kind in K_QUANTS:
-        blocks = k_blocks(rng, n, k, kind)
+    if file_kind in K_QUANTS:
+        blocks = k_blocks(rng, n, k, file_kind)
     else:
         blocks = blocks_of(rng.standard_normal((n, k)).astype(np.float32), file_kind)
     weights = native.repack(blocks, file_kind, packed=kind) if file_kind != kind else blocks
@@ -235,9 +273,9 @@ def test_many_rows_of_x_against_long_rows_give_the_portable_loops_bits(kind):
     rng = np.random.default_rng(12)
     file_kind = native.UNPACKED.get(kind, kind)
     n = 16 if kind in ROWS8 else 9
-    if kind in K_QUANTS:
+    if file_kind in K_QUANTS:
         k = 256 * 19
-        blocks = k_blocks(rng, n, k, kind)
+        blocks = k_blocks(rng, n, k, file_kind)
     else:
         k = 32 * (684 if kind == "Q5_0P" else 683)  # 683 blocks: an odd last one
         blocks = blocks_of(rng.standard_normal((n, k)).astype(np.float32), file_kind)

@@ -17,7 +17,7 @@ import torch
 
 from localllm.errors import UsageError
 
-ABI_VERSION = 11  # native/localllm_native.h's LM_ABI_VERSION
+ABI_VERSION = 12  # native/localllm_native.h's LM_ABI_VERSION
 # What a KV pool holds, as native/attention.c numbers it (LM_KV_*): int8 is q8_0, with scales.
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
 REBUILD = "rebuild localllm's native kernels with `pip install -e .` (a C compiler is needed)"
@@ -28,15 +28,18 @@ BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q4_0P": 18, "Q5_0P": 22, "Q5
 # K-quant super-blocks (256 weights) the matmul reads in place (native/kquant.c) where
 # ``vector_loops()``.
 K_TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q4_KR": 148, "Q6_KR": 210}
 # Layouts of our own the matmul also reads: "Q4_0P" / "Q5_0P" are Q4_0 / Q5_0 with each pair of blocks
 # rearranged (native/qmatmul.c; ``repack`` makes it where ``vector_loops()``); "Q5_0X" is Q5_0's
 # pairs with the high bits in the order the 256-bit loops unpack fastest (``pairs_kind``).
-# "Q4_0R" / "Q5_0R" / "Q8_0R" hold 8 rows interleaved, a block at a time (native/rows8.c): one
-# lane a row, one float sum a row; every tier reads them (``rows8_kind``).
-PACKED_TYPES = {"Q4_0P": 102, "Q5_0P": 106, "Q5_0X": 116, "Q4_0R": 122, "Q5_0R": 126, "Q8_0R": 128}
-ROWS8_TYPES = ("Q4_0R", "Q5_0R", "Q8_0R")
-UNPACKED = {"Q4_0P": "Q4_0", "Q5_0P": "Q5_0", "Q5_0X": "Q5_0", "Q4_0R": "Q4_0", "Q5_0R": "Q5_0", "Q8_0R": "Q8_0"}
+# "Q4_0R" / "Q5_0R" / "Q8_0R" hold 8 rows interleaved, a block at a time (native/rows8.c), and
+# "Q4_KR" / "Q6_KR" a super-block at a time (native/kquant.c; Q4_KR's scales unpacked, 148 bytes
+# a super-block's row): one lane a row, one float sum a row; every tier reads them (``rows8_kind``).
+PACKED_TYPES = {"Q4_0P": 102, "Q5_0P": 106, "Q5_0X": 116, "Q4_0R": 122, "Q5_0R": 126, "Q8_0R": 128,
+                "Q4_KR": 112, "Q6_KR": 114}
+ROWS8_TYPES = ("Q4_0R", "Q5_0R", "Q8_0R", "Q4_KR", "Q6_KR")
+UNPACKED = {"Q4_0P": "Q4_0", "Q5_0P": "Q5_0", "Q5_0X": "Q5_0", "Q4_0R": "Q4_0", "Q5_0R": "Q5_0", "Q8_0R": "Q8_0",
+            "Q4_KR": "Q4_K", "Q6_KR": "Q6_K"}
 _ERRORS = {1: "invalid arguments", 2: "out of memory"}
 # Instruction-set tiers, lowest first, as native/isa.c numbers them (LM_ISA_*): AVX-VNNI is AVX2 with
 # the 256-bit VEX vpdpbusd of Intel's laptop chips (a CPU with AVX-512 VNNI may lack it).
@@ -281,22 +284,25 @@ def pairs_kind(kind: str) -> str | None:
 
 def rows8_kind(kind: str, n: int) -> str | None:
     """The layout of 8 rows interleaved for ``kind``'s blocks of a matrix of ``n`` rows: "Q4_0R",
-    "Q5_0R" or "Q8_0R" where n is a multiple of 8, on every tier (their sums are one order
-    everywhere); None otherwise."""
-    return f"{kind}R" if kind in BLOCK_TYPES and n % 8 == 0 else None
+    "Q5_0R", "Q8_0R", "Q4_KR" or "Q6_KR" where n is a multiple of 8, on every tier (their sums
+    are one order everywhere); None otherwise (Q5_K keeps its super-blocks)."""
+    return f"{kind}R" if f"{kind}R" in ROWS8_TYPES and n % 8 == 0 else None
 
 
 def repack(blocks: torch.Tensor, kind: str, reverse: bool = False, packed: str | None = None) -> torch.Tensor:
-    """A Q4_0, Q5_0 or Q8_0 matrix's blocks (N, K / 32 * block bytes) in the layout ``packed``, or
-    back from it with ``reverse``: Q4_0 / Q5_0 in pairs, K a multiple of 64 (default:
-    ``pairs_kind(kind)``, the one this tier unpacks fastest; the same bytes rearranged: the same
-    products, bit for bit), or any of the three with 8 rows interleaved, N a multiple of 8
-    (``rows8_kind``), over torch's threads."""
+    """A Q4_0, Q5_0, Q8_0, Q4_K or Q6_K matrix's blocks (N, row_bytes(kind, K)) in the layout
+    ``packed``, or back from it with ``reverse`` (then ``blocks`` are the packed ones): Q4_0 / Q5_0
+    in pairs, K a multiple of 64 (default: ``pairs_kind(kind)``, the one this tier unpacks
+    fastest; the same bytes rearranged: the same products, bit for bit), or any of the five with 8
+    rows interleaved, N a multiple of 8 (``rows8_kind``), over torch's threads."""
     packed = packed or pairs_kind(kind)
-    out = torch.empty_like(blocks)
     n, row = blocks.shape
-    rc = _required().lm_repack(blocks.contiguous().data_ptr(), PACKED_TYPES[packed], n,
-                               row * 32 // BLOCK_BYTES[kind], out.data_ptr(), int(reverse), torch.get_num_threads())
+    given, made = (packed, kind) if reverse else (kind, packed)
+    k = row // SUPER_BYTES[given] * 256 if given in SUPER_BYTES else row * 32 // BLOCK_BYTES[given]
+    out = torch.empty(n, row_bytes(made, k) or 0, dtype=torch.uint8)
+    rc = 1 if row != row_bytes(given, k) else _required().lm_repack(
+        blocks.contiguous().data_ptr(), PACKED_TYPES[packed], n, k, out.data_ptr(), int(reverse),
+        torch.get_num_threads())
     if rc:
         raise ValueError(f"{kind} blocks of shape {tuple(blocks.shape)} cannot be repacked as {packed}")
     return out

@@ -156,16 +156,16 @@ class BlockLinear:
     to 8-bit blocks (Q8_K super-blocks for the K-quants), integer sums per block, as llama.cpp
     computes it. Takes and returns float32.
 
-    Q4_0 / Q5_0 / Q8_0 matrices of a multiple of 8 rows are kept with 8 rows interleaved
-    ("Q4_0R" / "Q5_0R" / "Q8_0R", native/rows8.c: a lane a row, one float sum a row, on every
-    tier); others, where the CPU has AVX2, Q4_0 / Q5_0 in pairs of blocks ("Q4_0P" / "Q5_0P" /
+    Q4_0 / Q5_0 / Q8_0 / Q4_K / Q6_K matrices of a multiple of 8 rows are kept with 8 rows
+    interleaved ("Q4_0R" / "Q5_0R" / "Q8_0R", native/rows8.c; "Q4_KR" / "Q6_KR", native/kquant.c:
+    a lane a row, one float sum a row, on every tier); others, where the CPU has AVX2, Q4_0 / Q5_0 in pairs of blocks ("Q4_0P" / "Q5_0P" /
     "Q5_0X", which the kernels unpack in a fraction of the instructions: the same products as
     the file's blocks, bit for bit). ``tensors()`` gives them back as the file's blocks."""
 
     def __init__(self, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None = None):
         from localllm.runners.torch import native
 
-        if kind in native.K_TYPES:
+        if kind in native.SUPER_BYTES:
             self.in_features = blocks.shape[1] // native.SUPER_BYTES[kind] * 256
         else:
             self.in_features = blocks.shape[1] * GROUP // native.BLOCK_BYTES[kind]
