@@ -641,7 +641,7 @@ static void kr_rows_scalar(int wtype, const uint8_t *w, int g0, int g1, int nsb,
                     const __m128i s8 = _mm_loadl_epi64((const __m128i *)(gb + 32 + 8 * p));                 \
                     __m256i d[8];                                                                           \
                     for (int i = 0; i < mc; i++) d[i] = _mm256_setzero_si256();                             \
-                    KR_UNROLL for (int k = 0; k < 8; k++) {                                                 \
+                    for (int k = 0; k < 8; k++) {                                                           \
                         const __m256i raw = _mm256_loadu_si256((const __m256i *)(v + 32 * k));              \
                         const __m256i u = _mm256_and_si256(p % 2 ? _mm256_srli_epi16(raw, 4) : raw, m0f);   \
                         for (int i = 0; i < mc; i++) {                                                      \
@@ -734,10 +734,11 @@ static void kr_rows_scalar(int wtype, const uint8_t *w, int g0, int g1, int nsb,
             const int c1 = M - c0 < chunk ? M : c0 + chunk;                                                 \
             for (int g = g0; g < g1; g++) {                                                                 \
                 const uint8_t *gw = w + (size_t)g * nsb * gbb;                                              \
-                for (int m0 = c0; m0 < c1; m0 += TX) {                                                      \
+                for (int m0 = c0, mc; m0 < c1; m0 += mc) {                                                  \
                     const xk_t *xt = xk + (size_t)m0 * nsb;                                                 \
                     float *yt = y + (size_t)m0 * N;                                                         \
-                    const int mc = c1 - m0 < TX ? c1 - m0 : TX;                                             \
+                    const int left = c1 - m0;                                                               \
+                    mc = left >= TX ? TX : TX > 4 && left >= 4 ? 4 : left == 3 ? 3 : left >= 2 ? 2 : 1; \
                     KR_TILE(SUF, TX)                                                                        \
                 }                                                                                           \
             }                                                                                               \
@@ -745,21 +746,20 @@ static void kr_rows_scalar(int wtype, const uint8_t *w, int g0, int g1, int nsb,
     }
 
 #define KR_GROUP(SUF, MC) kr_group_##SUF(wtype, gw, nsb, xt, MC, yt, N, KR_ROWS * g)
-/* a tile of mc <= TX rows of x, its size a constant: the sums stay in registers */
+/* a tile of mc rows of x, its size a constant so the sums stay in registers: TX, then what is
+ * left as 4 (AVX-512), 3 (the 256-bit tiers), 2 and 1, so that few sizes are compiled (each
+ * is a long unrolled loop) */
 #define KR_TILE(SUF, TX)                                  \
     {                                                     \
         if (mc == TX) KR_GROUP(SUF, TX);                  \
-        else if (mc == 1) KR_GROUP(SUF, 1);               \
-        else if (mc == 2) KR_GROUP(SUF, 2);               \
-        else if (mc == 3) KR_GROUP(SUF, 3);               \
         else if (TX > 4 && mc == 4) KR_GROUP(SUF, 4);     \
-        else if (TX > 5 && mc == 5) KR_GROUP(SUF, 5);     \
-        else if (TX > 6 && mc == 6) KR_GROUP(SUF, 6);     \
-        else KR_GROUP(SUF, 7);                            \
+        else if (mc == 3) KR_GROUP(SUF, 3);               \
+        else if (mc == 2) KR_GROUP(SUF, 2);               \
+        else KR_GROUP(SUF, 1);                            \
     }
 
 /* tiles of 4 rows of x on the 256-bit tiers (16 registers), 8 on AVX-512 (32) */
-KR_LOOP(avx2, AVX2_TARGET, 0, 3)
+KR_LOOP(avx2, AVX2_TARGET, 0, 4)
 KR_LOOP(vnni, VNNI_TARGET, 1, 4)
 KR_LOOP(vnni512, VNNI512_TARGET, 2, 8)
 
