@@ -84,6 +84,15 @@ def test_rows_interleaved_by_eight_are_the_product_alike_on_every_tile_and_pack_
     want = (q8_blocks(x).double() @ native.dequantize(blocks, kind, k).double().t()).float()
     got = native.qmatmul(x, rows8, kind + "R")
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    rows_alike_and_kept(blocks, kind, rows8, x, got)
+
+
+def rows_alike_and_kept(blocks, kind: str, rows8, x, got) -> None:
+    """What every layout of 8 rows interleaved holds to (48 rows of ``kind``'s ``blocks``,
+    ``rows8`` made of them, ``got`` their product with the 9 rows of x): a row of x alone gives
+    its bits among others, on any thread count; two matrices stacked (a fused layer) give each
+    one's bits; BlockLinear keeps the matrix so and gives the file's blocks back, and keeps a
+    matrix whose rows are not a multiple of 8 in another layout, which repack refuses."""
     alone = torch.cat([native.qmatmul(x[i:i + 1], rows8, kind + "R") for i in range(9)])
     assert torch.equal(got, alone)
     for threads in (1, 2, 3):
@@ -182,18 +191,7 @@ def test_k_quants_interleaved_by_eight_are_the_product_alike_and_pack_back(kind)
     torch.testing.assert_close(got, (q8k_values(x).double() @ wq.t()).float(), atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(got, native.qmatmul(x, blocks, kind), atol=1e-4, rtol=1e-5)
     assert torch.equal(got, native.qmatmul(x, rows8, kind + "R", force_scalar=True))
-    alone = torch.cat([native.qmatmul(x[i:i + 1], rows8, kind + "R") for i in range(9)])
-    assert torch.equal(got, alone)
-    for threads in (1, 2, 3):
-        assert torch.equal(native.qmatmul(x, rows8, kind + "R", n_threads=threads), got)
-    top, rest = (native.repack(blocks[a:b].contiguous(), kind, packed=kind + "R") for a, b in ((0, 16), (16, 48)))
-    assert torch.equal(native.qmatmul(x, torch.cat([top, rest]), kind + "R"), got)
-    layer = BlockLinear(blocks, kind)
-    assert layer.kind == kind + "R" and torch.equal(layer.tensors()["blocks"], blocks)
-    assert torch.equal(layer(x), got)
-    assert BlockLinear(blocks[:44].contiguous(), kind).kind == kind  # not a multiple of 8 rows
-    with pytest.raises(ValueError, match="cannot be repacked"):
-        native.repack(blocks[:44].contiguous(), kind, packed=kind + "R")
+    rows_alike_and_kept(blocks, kind, rows8, x, got)
 
 
 @vector
