@@ -158,9 +158,10 @@ class BlockLinear:
 
     Q4_0 / Q5_0 / Q8_0 / Q4_K / Q6_K matrices of a multiple of 8 rows are kept with 8 rows
     interleaved ("Q4_0R" / "Q5_0R" / "Q8_0R", native/rows8.c; "Q4_KR" / "Q6_KR", native/kquant.c:
-    a lane a row, one float sum a row, on every tier); others, where the CPU has AVX2, Q4_0 / Q5_0 in pairs of blocks ("Q4_0P" / "Q5_0P" /
-    "Q5_0X", which the kernels unpack in a fraction of the instructions: the same products as
-    the file's blocks, bit for bit). ``tensors()`` gives them back as the file's blocks."""
+    a lane a row, one float sum a row, on every tier); others, where the CPU has AVX2, Q4_0 /
+    Q5_0 in pairs of blocks ("Q4_0P" / "Q5_0P" / "Q5_0X", which the kernels unpack in a
+    fraction of the instructions: the same products as the file's blocks, bit for bit).
+    ``tensors()`` gives them back as the file's blocks."""
 
     def __init__(self, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None = None):
         from localllm.runners.torch import native
