@@ -864,7 +864,7 @@ int lm_paged_attention(const float *q, float *out, const void *k, const void *v,
                     it[0] = s; it[1] = h; it[2] = c; it[3] = r0;
                     it[4] = r0 + TILE_ROWS < q_len[s] ? r0 + TILE_ROWS : q_len[s];
                 }
-    lm_pool_run(attend_part, &J, threads);
+    lm_pool_run(attend_part, &J, threads, threads); /* each part claims items */
     free(J.items);
     return J.failed ? LM_ENOMEM : LM_OK;
 }

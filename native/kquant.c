@@ -108,8 +108,8 @@ static void quantize_k_part(void *p, int part, int parts) {
  * step's: on one thread, the others waited for it). */
 static void quantize_rows_k(const float *x, int M, int K, int nsb, xk_t *xk, int n_threads) {
     quantize_k_job_t J = {x, K, nsb, M, xk};
-    const int parts = (size_t)M * nsb >= 128 && n_threads > 1 ? (n_threads < M ? n_threads : M) : 1;
-    lm_pool_run(quantize_k_part, &J, parts);
+    const int threads = (size_t)M * nsb >= 128 ? n_threads : 1;
+    lm_pool_run(quantize_k_part, &J, lm_pool_parts(M, threads), threads);
 }
 
 /* Q4_K's and Q5_K's 12 bytes of 6-bit scales and mins as 8 scale bytes then 8 min bytes. */
@@ -855,7 +855,8 @@ int lm_kquant_repack(const uint8_t *w, int packed, int N, int K, uint8_t *out, i
     if (!lm_kquant_rows8_type(packed) || N < 0 || N % KR_ROWS != 0 || K % QKK != 0) return LM_EINVAL;
     kr_repack_job_t J = {w, out, packed, K / QKK, N / KR_ROWS, reverse};
     const size_t bytes = (size_t)N * (K / QKK) * kr_bytes(packed);
-    lm_pool_run(kr_repack_part, &J, bytes >= (1u << 20) && n_threads > 1 ? n_threads : 1);
+    const int threads = bytes >= (1u << 20) ? n_threads : 1;
+    lm_pool_run(kr_repack_part, &J, lm_pool_parts(N / KR_ROWS, threads), threads);
     return LM_OK;
 }
 
@@ -904,9 +905,8 @@ int lm_qmatmul_k(const float *x, int M, int K, const uint8_t *w, int wtype, int 
     if (xk == NULL) return LM_ENOMEM;
     quantize_rows_k(x, M, K, nsb, xk, n_threads);
     kmm_job_t J = {level, wtype, w, (size_t)nsb * sb, N, nsb, M, xk, y};
-    int parts = n_threads < 1 ? 1 : n_threads;
-    if ((size_t)N * nsb < 512) parts = 1; /* too small to share out */
-    lm_pool_run(kmm_part, &J, parts);
+    const int threads = (size_t)N * nsb < 512 ? 1 : n_threads; /* too small to share out */
+    lm_pool_run(kmm_part, &J, lm_pool_parts((N + 7) / 8, threads), threads);
     free(xk);
     return LM_OK;
 }

@@ -76,8 +76,8 @@ static inline float lm_half_to_float(uint16_t h) {
 #define LM_Q6_KR 114
 
 typedef void (*lm_task_fn)(void *arg, int part, int parts);
-void lm_pool_run(lm_task_fn fn, void *arg, int parts);
-void lm_pool_use_openmp(void *parallel, void *thread_num, void *num_threads);
+void lm_pool_run(lm_task_fn fn, void *arg, int parts, int threads);
+int lm_pool_parts(int units, int threads); /* how many parts to cut `units` of work into for `threads` */
 
 int lm_abi_version(void);
 

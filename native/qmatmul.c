@@ -681,8 +681,8 @@ static void quantize_part(void *p, int part, int parts) {
  * (a prompt step's), on the AVX2 loop wherever the tier has it. */
 static void quantize_rows(const float *x, int M, int K, int nb, qblock_t *xq, float *xd, int level, int n_threads) {
     quantize_job_t J = {x, K, nb, M, level >= LM_ISA_AVX2, xq, xd};
-    const int parts = (size_t)M * nb >= 1024 && n_threads > 1 ? (n_threads < M ? n_threads : M) : 1;
-    lm_pool_run(quantize_part, &J, parts);
+    const int threads = (size_t)M * nb >= 1024 ? n_threads : 1;
+    lm_pool_run(quantize_part, &J, lm_pool_parts(M, threads), threads);
 }
 
 typedef struct {
@@ -808,9 +808,8 @@ int lm_qmatmul(const float *x, int M, int K, const uint8_t *w, int wtype, int N,
     else if (xp != NULL) pairs_prepare(unsigned_offset(wtype), xq, xd, M, nb, (xpair_t *)xp);
 #endif
     mm_job_t J = {level, wtype, w, (size_t)nb * bb, N, nb, M, xq, xd, dt, xp, y, 0};
-    int parts = n_threads < 1 ? 1 : n_threads;
-    if ((size_t)N * nb < 4096) parts = 1; /* too small to share out */
-    lm_pool_run(mm_part, &J, parts);
+    const int threads = (size_t)N * nb < 4096 ? 1 : n_threads; /* too small to share out */
+    lm_pool_run(mm_part, &J, lm_pool_parts((N + 7) / 8, threads), threads);
     free(xq);
     free(xd);
     free(dt);

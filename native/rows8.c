@@ -303,9 +303,8 @@ int lm_rows8_matmul(int level, int wtype, const uint8_t *w, int N, int nb, const
         xc[i] = -offset * s;
     }
     r_job_t J = {level, wtype, N, nb, M, w, xq, xd, xc, y};
-    int parts = n_threads < 1 ? 1 : n_threads;
-    if ((size_t)N * nb < 4096) parts = 1; /* too small to share out */
-    lm_pool_run(r_part, &J, parts);
+    const int threads = (size_t)N * nb < 4096 ? 1 : n_threads; /* too small to share out */
+    lm_pool_run(r_part, &J, lm_pool_parts(N / RR, threads), threads);
     free(xc);
     return LM_OK;
 }
@@ -388,6 +387,7 @@ int lm_rows8_repack(const uint8_t *w, int packed, int N, int K, uint8_t *out, in
     repack_job_t J = {w, out, packed, N, K / QK, reverse};
     /* over the threads: a model's load repacks its every Q4_0 / Q5_0 / Q8_0 matrix */
     const size_t bytes = (size_t)N * (K / QK) * r_block_bytes(packed);
-    lm_pool_run(repack_part, &J, bytes >= (1u << 20) && n_threads > 1 ? n_threads : 1);
+    const int threads = bytes >= (1u << 20) ? n_threads : 1;
+    lm_pool_run(repack_part, &J, lm_pool_parts(N / RR, threads), threads);
     return LM_OK;
 }

@@ -135,7 +135,7 @@ class FusedLayers:
         slots = batch.slots.contiguous()
         rc = _function()(ctypes.byref(self.model), x.data_ptr(), x.shape[0], slots.data_ptr(), q_len.numel(),
                          q_start.data_ptr(), q_len.data_ptr(), ctx_len.data_ptr(), tables.data_ptr(),
-                         table_start.data_ptr(), cos, sin, torch.get_num_threads())
+                         table_start.data_ptr(), cos, sin, native.threads())
         if rc:
             raise RuntimeError(f"native layers failed: {native._ERRORS.get(rc, rc)}")
 

@@ -102,10 +102,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, bool]:
     lib.lm_rope.argtypes = [vp, vp, vp, vp, ci, ci, ci, ci]
     lib.lm_silu_mul.restype = ci
     lib.lm_silu_mul.argtypes = [vp, vp, vp, ci, ci, ci, ci]
-    lib.lm_pool_use_openmp.restype = None
-    lib.lm_pool_use_openmp.argtypes = [vp, vp, vp]
     _force_isa(lib, os.environ.get(ISA_VARIABLE, ""))
-    _share_torchs_threads(lib)
     return lib, None, False
 
 
@@ -124,26 +121,25 @@ def _force_isa(lib: ctypes.CDLL, wanted: str) -> None:
                          f"{_ISA_NAMES[lib.lm_isa_detected()]}); force a lower one, or unset it")
 
 
-def _share_torchs_threads(lib: ctypes.CDLL) -> None:
-    """Run the kernels' parallel parts on torch's own OpenMP threads where torch has them (its
-    workers spin after each operation, so threads of our own would find the cores taken);
-    otherwise the kernels keep their own pool (native/pool.c)."""
-    import re
+_threads: int | None = None  # set_threads
 
-    try:
-        with open("/proc/self/maps") as maps:
-            loaded = set(re.findall(r"(/\S*lib(?:g|i)?omp[^/\s]*\.so[.\d]*)$", maps.read(), re.M))
-    except OSError:
-        return
-    for path in sorted(loaded):
-        try:
-            omp = ctypes.CDLL(path)
-            funcs = [ctypes.cast(getattr(omp, name), ctypes.c_void_p).value
-                     for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")]
-        except (OSError, AttributeError):
-            continue
-        lib.lm_pool_use_openmp(*funcs)
-        return
+
+def threads() -> int:
+    """The threads the kernels run on: set_threads's count, or torch's until one is set."""
+    return _threads or torch.get_num_threads()
+
+
+def set_threads(n: int) -> None:
+    """The threads the kernels run on from now on (one count a process, as torch's).
+
+    The kernels run on a pool of their own (native/pool.c), not on torch's OpenMP threads: its
+    callers claim parts of the work one at a time and sleep when they must wait, so a thread
+    that another program holds off a core delays a step by a part, not by its share of every
+    matrix (docs/benchmarks.md, "The kernels' own pool on a busy machine")."""
+    global _threads
+    if n < 1:
+        raise ValueError(f"threads {n} must be at least 1")
+    _threads = n
 
 
 def available() -> bool:
@@ -187,7 +183,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         KV_TYPES[k_cache.dtype], q_len.numel(),
         q_start.data_ptr(), q_len.data_ptr(), ctx_len.data_ptr(), tables.data_ptr(), table_start.data_ptr(),
         block_size, q.shape[1], n_kv, head_dim, scale, n_swa,
-        n_threads if n_threads is not None else torch.get_num_threads())
+        n_threads if n_threads is not None else threads())
     if rc:
         raise RuntimeError(f"native paged attention failed: {_ERRORS.get(rc, rc)}")
     return out
@@ -225,7 +221,7 @@ class QMatmul:
             raise ValueError(f"x of shape {tuple(x.shape)} does not multiply a ({self.n}, {self.k}) matrix")
         y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
         rc = self.fn(x.data_ptr(), x.shape[0], self.k, self.w, self.code, self.n, y.data_ptr(),
-                     n_threads if n_threads is not None else torch.get_num_threads(), int(force_scalar))
+                     n_threads if n_threads is not None else threads(), int(force_scalar))
         if rc:
             raise RuntimeError(f"native qmatmul failed: {_ERRORS.get(rc, rc)}")
         return y
@@ -302,7 +298,7 @@ def repack(blocks: torch.Tensor, kind: str, reverse: bool = False, packed: str |
     out = torch.empty(n, row_bytes(made, k) or 0, dtype=torch.uint8)
     rc = 1 if row != row_bytes(given, k) else _required().lm_repack(
         blocks.contiguous().data_ptr(), PACKED_TYPES[packed], n, k, out.data_ptr(), int(reverse),
-        torch.get_num_threads())
+        threads())
     if rc:
         raise ValueError(f"{kind} blocks of shape {tuple(blocks.shape)} cannot be repacked as {packed}")
     return out

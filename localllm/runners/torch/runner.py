@@ -23,7 +23,7 @@ from localllm.config import DEFAULT_BATCH_TOKENS, EngineConfig
 from localllm.engine.request import Sequence
 from localllm.engine.scheduler import SchedulerOutput
 from localllm.errors import EngineError, ModelLoadError
-from localllm.runners.torch import models
+from localllm.runners.torch import models, native as native_kernels
 from localllm.runners.torch import triton_attention
 from localllm.runners.torch.attention import AttnBatch, KVPool, block_slots
 from localllm.runners.torch.graphs import DecodeGraphs
@@ -98,17 +98,17 @@ class TorchRunner:
         imported); this runner closes it.
         """
         from localllm.runners.llamacpp import VocabFile
-        from localllm.runners.torch import native as native_kernels
         from localllm.runners.torch import quant
 
         path = Path(config.model_path)
         config, self.kv_plan = memory.sized(config, self.name)  # before anything is allocated
         self.device = device or pick_device()
-        # On the CPU the engine chooses the threads of each step (set_threads): torch's own
-        # kernels and the native ones (which run on torch's OpenMP threads) follow the count.
+        # On the CPU the engine chooses the threads of each step (set_threads): the native
+        # kernels' pool and torch's own kernels follow the count (_torch_threads).
         self.uses_cpu_threads = self.device.type == "cpu"
-        if self.uses_cpu_threads and config.threads:
-            torch.set_num_threads(config.threads)
+        if self.uses_cpu_threads:  # torch's count until a first one is set (one a process)
+            native_kernels.set_threads(config.threads or native_kernels.threads())
+            torch.set_num_threads(native_kernels.threads())
         self.vocab_file = vocab_file if vocab_file is not None else VocabFile(path)
         self.vocab = self.vocab_file.vocab
         weights = GGUFWeights(path)
@@ -244,6 +244,8 @@ class TorchRunner:
         batch = AttnBatch.build(spans, self.block_size, dev, native=self.native)
         hidden = self.model.forward(torch.tensor(tokens, dtype=torch.long, device=dev),
                                     torch.tensor(positions, dtype=torch.long, device=dev), batch, self.pool)
+        if self.uses_cpu_threads and torch.get_num_threads() != self._torch_threads():
+            torch.set_num_threads(self._torch_threads())
         if not rows:
             return np.empty((0, self.vocab.n_vocab), dtype=np.float32)
         logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
@@ -302,11 +304,20 @@ class TorchRunner:
 
     @property
     def threads(self) -> int:
-        """The CPU threads a step runs on (torch's count is one per process)."""
-        return torch.get_num_threads()
+        """The CPU threads a step runs on (one count a process, as torch's)."""
+        return native_kernels.threads()
 
     def set_threads(self, n: int) -> None:
-        torch.set_num_threads(n)
+        native_kernels.set_threads(n)
+        torch.set_num_threads(self._torch_threads())
+
+    def _torch_threads(self) -> int:
+        """torch's own count: one where the native layers compute the steps (its few operations
+        there are small, and its OpenMP workers, spinning after each, would take the cores from
+        the kernels' pool); the step's count where torch computes the layers."""
+        slot = getattr(self.model, "fused", None)
+        native_layers = slot is not None and slot.held is not None and slot.held[1] is not None
+        return 1 if native_layers else native_kernels.threads()
 
     def close(self) -> None:
         self.graphs = None  # its captured graphs hold their memory pool (VRAM) until dropped
