@@ -31,8 +31,12 @@
 #define MAX_PARTS 0xffff
 
 static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER; /* one call at a time */
-static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;      /* the workers' sleep */
-static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+/* Each worker sleeps on its own, so that a call on fewer threads wakes none of the others. */
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int asleep; /* atomic */
+} sleeper[LM_MAX_THREADS];
 static pthread_mutex_t done_mu = PTHREAD_MUTEX_INITIALIZER; /* the caller's sleep */
 static pthread_cond_t done_cv = PTHREAD_COND_INITIALIZER;
 static int n_workers;  /* started so far */
@@ -102,9 +106,12 @@ static void *worker(void *p) {
                 if (++spins % 64 == 0 && now_ns() > until) break;
             }
             if (g == seen) {
-                pthread_mutex_lock(&mu);
-                while ((g = __atomic_load_n(&generation, __ATOMIC_ACQUIRE)) == seen) pthread_cond_wait(&cv, &mu);
-                pthread_mutex_unlock(&mu);
+                pthread_mutex_lock(&sleeper[index].mu);
+                __atomic_store_n(&sleeper[index].asleep, 1, __ATOMIC_SEQ_CST);
+                while ((g = __atomic_load_n(&generation, __ATOMIC_SEQ_CST)) == seen)
+                    pthread_cond_wait(&sleeper[index].cv, &sleeper[index].mu);
+                __atomic_store_n(&sleeper[index].asleep, 0, __ATOMIC_RELAXED);
+                pthread_mutex_unlock(&sleeper[index].mu);
             }
         }
         seen = g;
@@ -118,8 +125,6 @@ static void after_fork_in_child(void) {
     /* The workers did not come along; the child starts its own when it needs them. */
     n_workers = 0;
     pthread_mutex_init(&call_mu, NULL);
-    pthread_mutex_init(&mu, NULL);
-    pthread_cond_init(&cv, NULL);
     pthread_mutex_init(&done_mu, NULL);
     pthread_cond_init(&done_cv, NULL);
 }
@@ -139,12 +144,16 @@ void lm_pool_run(lm_task_fn fn, void *arg, int parts, int threads) {
         atfork_set = 1;
     }
     while (n_workers < threads - 1) {
+        const int index = n_workers + 1;
+        pthread_mutex_init(&sleeper[index].mu, NULL);
+        pthread_cond_init(&sleeper[index].cv, NULL);
+        sleeper[index].asleep = 0;
         pthread_t t;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        start_generation[n_workers + 1] = __atomic_load_n(&generation, __ATOMIC_ACQUIRE);
-        const int ok = pthread_create(&t, &attr, worker, (void *)(intptr_t)(n_workers + 1)) == 0;
+        start_generation[index] = __atomic_load_n(&generation, __ATOMIC_ACQUIRE);
+        const int ok = pthread_create(&t, &attr, worker, (void *)(intptr_t)index) == 0;
         pthread_attr_destroy(&attr);
         if (!ok) break;
         n_workers++;
@@ -160,10 +169,13 @@ void lm_pool_run(lm_task_fn fn, void *arg, int parts, int threads) {
     __atomic_store_n(&done, 0, __ATOMIC_RELAXED);
     const uint32_t gen = (uint32_t)__atomic_load_n(&generation, __ATOMIC_RELAXED) + 1;
     __atomic_store_n(&claims, (uint64_t)gen << 32 | (uint64_t)parts << 16, __ATOMIC_RELEASE);
-    pthread_mutex_lock(&mu);
-    __atomic_store_n(&generation, (int)gen, __ATOMIC_RELEASE);
-    pthread_cond_broadcast(&cv);
-    pthread_mutex_unlock(&mu);
+    __atomic_store_n(&generation, (int)gen, __ATOMIC_SEQ_CST);
+    for (int i = 1; i < threads && i <= n_workers; i++)
+        if (__atomic_load_n(&sleeper[i].asleep, __ATOMIC_SEQ_CST)) {
+            pthread_mutex_lock(&sleeper[i].mu);
+            pthread_cond_signal(&sleeper[i].cv);
+            pthread_mutex_unlock(&sleeper[i].mu);
+        }
     run_parts(gen);
     if (__atomic_load_n(&done, __ATOMIC_ACQUIRE) < parts) {
         const int64_t until = now_ns() + WAIT_SPIN_NS;

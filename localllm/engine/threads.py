@@ -35,9 +35,15 @@ Probes come
   than keeps what lost probes cost under ``COST_SHARE`` of the time.
 
 Timers run on the engine's working time (the seconds its steps took), not the wall clock: an
-engine that waited a minute for a request owes no probe for that minute. On an idle machine
-that is a probe a half minute of work or so, a step at a neighbouring count: nothing
-measurable. A fixed count (``--threads N``) turns all of it off.
+engine that waited a minute for a request owes no probe for that minute.
+
+Fewer threads can only win where other programs want the CPUs. So where the system tells what
+the CPUs did (/proc/stat, less this process's own CPU time), a probe of fewer threads waits
+until other programs used ``OTHERS_BUSY`` of a CPU or more since the last reading: on an idle
+machine a step's time wanders with the host (a shared machine's decode steps between 25 and 55
+ms), and each such drift would otherwise bring a probe of one thread, twice a step's time, and
+a long prompt's probe a second. Where nothing tells (no /proc), it probes as said above. A fixed
+count (``--threads N``) turns all of it off.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ ALPHA = 0.3  # weight of a new step in a count's recent step time
 SPARE_CPUS = 0.75  # idle CPUs beyond this, with room above the count in use: probe upward
 SPARE_EVERY = 0.5  # seconds (wall clock) between reads of the CPUs' idle time
 FLOOR_UNSEEN = 10.0  # seconds of work: the longest a lost probe holds off faster steps' probes without idle-CPU readings
+OTHERS_BUSY = 0.5  # CPUs other programs used: below it, fewer threads are not probed
 
 
 SHORT_PROMPT = 64  # tokens: a prompt step of at most this many is judged with the decode steps
@@ -120,19 +127,28 @@ class ThreadChooser:
     before a step and tells ``record(kind, threads, num_tokens, seconds)`` after it.
 
     max_threads: the most it uses (the physical cores); fixed: a count to keep (``--threads``),
-    or None to adapt. clock and spare_cpus are the outside world, replaceable in tests:
-    spare_cpus() returns how many CPUs sat idle since its last call, or None where unknown.
+    or None to adapt. clock, spare_cpus and others_busy are the outside world, replaceable in
+    tests: spare_cpus() returns how many CPUs sat idle since its last call, others_busy() how
+    many CPUs other programs used since its last call; either None where unknown. Given
+    spare_cpus alone, others_busy is unknown.
     """
 
     def __init__(self, max_threads: int, fixed: int | None = None, *,
                  clock: Callable[[], float] = time.monotonic,
-                 spare_cpus: Callable[[], float | None] | None = None):
+                 spare_cpus: Callable[[], float | None] | None = None,
+                 others_busy: Callable[[], float | None] | None = None):
         if max_threads < 1:
             raise ValueError(f"max_threads {max_threads} must be at least 1")
         self.max_threads = max_threads
         self.fixed = fixed
         self.clock = clock
-        self.spare_cpus = spare_cpus if spare_cpus is not None else IdleCpus()
+        if spare_cpus is None and others_busy is None:
+            use = CpuUse()
+            spare_cpus, others_busy = use.idle, use.others
+        self.spare_cpus = spare_cpus if spare_cpus is not None else (lambda: None)
+        self.others_busy = others_busy if others_busy is not None else (lambda: None)
+        self._others: float | None = None  # the last reading of others_busy
+        self._others_checked = float("-inf")
         self._arms = {kind: _Arm(current=fixed or max_threads) for kind in KINDS}
         self._work = 0.0  # seconds the recorded steps took, all kinds: the timers' clock
         self._spare_checked = float("-inf")
@@ -173,6 +189,8 @@ class ThreadChooser:
             kind != "prefill" or work * COST_SHARE >= arm.recent[(arm.current, bucket(num_tokens))][0])
         due = [c for c in (arm.current - 1, arm.current + 1)
                if 1 <= c <= self.max_threads and (work >= arm.due[c] if c in arm.due else first)]
+        if due and due[0] < arm.current and self._machine_ours():
+            due = due[1:]  # fewer threads: not while no other program wants the CPUs (it stays due)
         if not due:
             return arm.current
         count = min(due, key=lambda c: arm.due.get(c, work))  # the longest overdue first
@@ -180,6 +198,15 @@ class ThreadChooser:
         arm.last_probe = work
         arm.num_probes += 1
         return count
+
+    def _machine_ours(self) -> bool:
+        """Whether other programs used less than OTHERS_BUSY of a CPU lately (read at most every
+        SPARE_EVERY seconds); False where unknown."""
+        now = self.clock()
+        if now - self._others_checked >= SPARE_EVERY:
+            self._others_checked = now
+            self._others = self.others_busy()
+        return self._others is not None and self._others < OTHERS_BUSY
 
     def _check_spare(self, arm: _Arm) -> None:
         """Idle CPUs while the arm runs on fewer than it may: load went; every arm below the
@@ -315,9 +342,11 @@ class ThreadChooser:
         arm.ref[b] = base
 
 
-class IdleCpus:
-    """CPUs (of those this process may run on) that sat idle since the previous call, from
-    /proc/stat; None where there is no /proc/stat, or on the first call."""
+class CpuUse:
+    """What the CPUs this process may run on did, from /proc/stat: ``idle()``, the CPUs that sat
+    idle since its previous call; ``others()``, the CPUs that programs other than this one kept
+    busy since its previous call (their busy time less this process's CPU time). None where
+    there is no /proc/stat, or on a first call."""
 
     def __init__(self, path: str = "/proc/stat"):
         self.path = path
@@ -325,10 +354,29 @@ class IdleCpus:
             self.cpus = {f"cpu{c}" for c in os.sched_getaffinity(0)}
         except AttributeError:
             self.cpus = None
-        self._last: tuple[float, float] | None = None  # (idle ticks, when)
         self._ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._last: dict[str, tuple[float, float, float, float]] = {}  # reader -> (idle s, busy s, own s, when)
 
-    def __call__(self) -> float | None:
+    def idle(self) -> float | None:
+        got = self._since("idle")
+        return None if got is None else got[0]
+
+    def others(self) -> float | None:
+        got = self._since("others")
+        return None if got is None else max(0.0, got[1] - got[2])
+
+    def _since(self, reader: str) -> tuple[float, float, float] | None:
+        """(idle CPUs, busy CPUs, this process's CPUs) on average since this reader's last call."""
+        now_read = self._read()
+        if now_read is None:
+            return None
+        last, self._last[reader] = self._last.get(reader), now_read
+        if last is None or now_read[3] <= last[3]:
+            return None
+        wall = now_read[3] - last[3]
+        return tuple((now_read[i] - last[i]) / wall for i in range(3))
+
+    def _read(self) -> tuple[float, float, float, float] | None:
         if self.cpus is None:
             return None
         try:
@@ -337,15 +385,11 @@ class IdleCpus:
         except OSError:
             self.cpus = None
             return None
-        idle = 0
+        idle = busy = 0
         for line in lines:
             name, _, rest = line.partition(" ")
             if name in self.cpus:
-                fields = rest.split()
-                idle += int(fields[3]) + int(fields[4])  # idle + iowait
-        now = time.monotonic()
-        last, self._last = self._last, (idle, now)
-        if last is None or now <= last[1]:
-            return None
-        return (idle - last[0]) / self._ticks / (now - last[1])
-
+                fields = [int(v) for v in rest.split()[:8]]  # user nice system idle iowait irq softirq steal
+                idle += fields[3] + fields[4]
+                busy += fields[0] + fields[1] + fields[2] + fields[5] + fields[6]
+        return idle / self._ticks, busy / self._ticks, time.process_time(), time.monotonic()

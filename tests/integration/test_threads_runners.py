@@ -103,6 +103,14 @@ def check_counts_applied(engine, runner):
         from localllm.runners.llamacpp import L
 
         assert (L.llama_n_threads(engine.runner.ctx), L.llama_n_threads_batch(engine.runner.ctx)) == (seen_mixed[-1][1],) * 2
+    elif engine.runner.native:
+        import torch
+
+        from localllm.runners.torch import native
+
+        # The native layers computed the steps: the count is their pool's, and torch's own
+        # stays at one (its idle OpenMP workers would spin beside the pool).
+        assert native.threads() == seen_mixed[-1][1] and torch.get_num_threads() == 1
     # The count changes how a step is shared out, not what it computes.
     assert mixed.token_ids == one.token_ids == two.token_ids
     assert mixed.logprobs == pytest.approx(one.logprobs, abs=1e-4)

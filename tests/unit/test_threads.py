@@ -455,3 +455,66 @@ def test_prompts_wandering_a_fifth_bring_few_costly_probes():
     lost = sum(s * (1 - 1 / 1.8) for s in at_two) / sum(every)
     assert c.current("prefill") == 1
     assert lost < 0.07, f"{lost:.3f} of the prompts' time lost on 2 threads ({len(at_two)} of {len(every)})"
+
+
+def test_with_no_other_program_on_the_cpus_fewer_threads_are_never_probed():
+    """A shared host makes an idle machine's step times wander by half and more; where the
+    CPUs' use is known and no other program uses them, no drift brings a probe of one thread
+    (each costs twice a step, a long prompt's a second)."""
+    rng = random.Random(3)
+    base = two_cores()
+
+    def cost(kind, n, t):
+        return (base("decode", n, t) if kind == "decode" else 0.6 * n ** -0.8) * rng.choice([0.6, 1.0, 1.4])
+
+    m = Machine(cost)
+    c = ThreadChooser(2, clock=m.clock, spare_cpus=lambda: 0.0, others_busy=lambda: 0.1)
+    steps = m.run(c, until=60.0) + m.run(c, until=120.0, kind="prefill", num_tokens=142)
+    assert {n for _, n, _ in steps} == {2}
+    assert c.counters("decode") == c.counters("prefill") == (0, 0)
+
+
+def test_load_other_programs_bring_is_followed_where_the_cpus_use_is_known():
+    m = Machine(two_cores(load_from=5, load_until=30))
+    others = lambda: 1.0 if 5 <= m.t < 30 else 0.0  # noqa: E731
+    c = ThreadChooser(2, clock=m.clock, spare_cpus=lambda: 0.0 if 5 <= m.t < 30 else 1.0, others_busy=others)
+    steps = m.run(c, until=60.0)
+    assert current_at(steps, 0, 5) == {2}  # idle: not even a probe
+    moved_down = min(t for t, n, _ in steps if t >= 5 and n == 1)
+    at_two = [t for t, n, _ in steps if 8 <= t < 30 and n == 2]
+    assert moved_down - 5 < 3.0 and len(at_two) <= 3, (moved_down, at_two)
+    back = min(t for t, n, _ in steps if t >= 30 and n == 2)
+    assert back - 30 < 2.0
+    assert c.current("decode") == 2
+
+
+def test_cpu_use_counts_this_process_as_its_own(tmp_path, monkeypatch):
+    from localllm.engine import threads
+
+    stat = tmp_path / "stat"
+    clock = {"wall": 100.0, "own": 5.0}
+    monkeypatch.setattr(threads.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(threads.time, "process_time", lambda: clock["own"])
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(threads.os, "sysconf", lambda name: 100)
+
+    def write(user0, idle0, user1, idle1):
+        stat.write_text(f"cpu  {user0 + user1} 0 0 {idle0 + idle1} 0 0 0 0 0 0\n"
+                        f"cpu0 {user0} 0 0 {idle0} 0 0 0 0 0 0\n"
+                        f"cpu1 {user1} 0 0 {idle1} 0 0 0 0 0 0\ncpu2 999 0 0 999 0 0 0 0 0 0\n")
+
+    write(1000, 1000, 1000, 1000)
+    use = threads.CpuUse(str(stat))
+    assert (use.idle(), use.others()) == (None, None)  # a first reading
+    # Two seconds: cpu0 busy throughout, cpu1 half the time (3 CPU-seconds, 1.5 of them this
+    # process's); cpu2 is not this process's to run on.
+    clock["wall"] += 2.0
+    clock["own"] += 1.5
+    write(1200, 1000, 1100, 1100)
+    assert use.idle() == pytest.approx(0.5)
+    assert use.others() == pytest.approx(0.75)
+    # The readers keep their own intervals: a second idle() reads from the first one's end.
+    clock["wall"] += 1.0
+    write(1300, 1000, 1100, 1200)
+    assert use.idle() == pytest.approx(1.0)
+    assert use.others() == pytest.approx(1.0)  # cpu0's second, none of it this process's
