@@ -37,9 +37,10 @@ Probes come
 Timers run on the engine's working time (the seconds its steps took), not the wall clock: an
 engine that waited a minute for a request owes no probe for that minute.
 
-Fewer threads can only win where other programs want the CPUs. So where the system tells what
-the CPUs did (/proc/stat, less this process's own CPU time), a probe of fewer threads waits
-until other programs used ``OTHERS_BUSY`` of a CPU or more since the last reading: on an idle
+Fewer threads can only win where others want the CPUs. So where the system tells what the
+CPUs did (/proc/stat, less this process's own CPU time), a probe of fewer threads waits until
+other programs used ``OTHERS_BUSY`` of a CPU or more since the last reading, or another engine
+of this process (a second model behind the same port) stepped within ``OTHER_ENGINE``: on an idle
 machine a step's time wanders with the host (a shared machine's decode steps between 25 and 55
 ms), and each such drift would otherwise bring a probe of one thread, twice a step's time, and
 a long prompt's probe a second. Where nothing tells (no /proc), it probes as said above. A fixed
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -67,6 +69,7 @@ SPARE_CPUS = 0.75  # idle CPUs beyond this, with room above the count in use: pr
 SPARE_EVERY = 0.5  # seconds (wall clock) between reads of the CPUs' idle time
 FLOOR_UNSEEN = 10.0  # seconds of work: the longest a lost probe holds off faster steps' probes without idle-CPU readings
 OTHERS_BUSY = 0.5  # CPUs other programs used: below it, fewer threads are not probed
+OTHER_ENGINE = 2.0  # seconds (wall clock): another engine of this process that stepped this recently is load
 
 
 SHORT_PROMPT = 64  # tokens: a prompt step of at most this many is judged with the decode steps
@@ -142,9 +145,11 @@ class ThreadChooser:
         self.max_threads = max_threads
         self.fixed = fixed
         self.clock = clock
+        self._cpu_use: CpuUse | None = None
         if spare_cpus is None and others_busy is None:
-            use = CpuUse()
+            use = self._cpu_use = CpuUse()
             spare_cpus, others_busy = use.idle, use.others
+            use.others()  # the first reading: the first check reads from here on
         self.spare_cpus = spare_cpus if spare_cpus is not None else (lambda: None)
         self.others_busy = others_busy if others_busy is not None else (lambda: None)
         self._others: float | None = None  # the last reading of others_busy
@@ -189,8 +194,14 @@ class ThreadChooser:
             kind != "prefill" or work * COST_SHARE >= arm.recent[(arm.current, bucket(num_tokens))][0])
         due = [c for c in (arm.current - 1, arm.current + 1)
                if 1 <= c <= self.max_threads and (work >= arm.due[c] if c in arm.due else first)]
-        if due and due[0] < arm.current and self._machine_ours():
-            due = due[1:]  # fewer threads: not while no other program wants the CPUs (it stays due)
+        if due and due[0] < arm.current and (self._machine_ours() or (
+                kind == "prefill" and due[0] < self._decode_count())):
+            # Fewer threads: not while no other program wants the CPUs, nor for prompts fewer
+            # than decode steps run on now (it stays due). Decode waits at a step's every
+            # barrier for its few tokens, a prompt's step has many: where decode gains by a
+            # count, a long prompt does (busy_machine.py: prompts' best count at or above
+            # decode's at every load), and a prompt's probe costs a second.
+            due = due[1:]
         if not due:
             return arm.current
         count = min(due, key=lambda c: arm.due.get(c, work))  # the longest overdue first
@@ -198,6 +209,13 @@ class ThreadChooser:
         arm.last_probe = work
         arm.num_probes += 1
         return count
+
+    def _decode_count(self) -> int:
+        """The count decode steps run on, where one ran on it within MATCH_WITHIN (an engine
+        that only reads prompts, an embedder's, has none: 1)."""
+        arm, now = self._arms["decode"], self.clock()
+        lately = any(c == arm.current and now - when <= MATCH_WITHIN for (c, _), (_, when) in arm.recent.items())
+        return arm.current if lately else 1
 
     def _machine_ours(self) -> bool:
         """Whether other programs used less than OTHERS_BUSY of a CPU lately (read at most every
@@ -228,6 +246,8 @@ class ThreadChooser:
     def record(self, kind: str, threads: int, num_tokens: int, seconds: float) -> None:
         if self.fixed is not None or seconds <= 0:
             return
+        if self._cpu_use is not None:
+            self._cpu_use.stepped()
         self._work += seconds
         arm = self._arms[kind]
         now = self.clock()
@@ -342,11 +362,15 @@ class ThreadChooser:
         arm.ref[b] = base
 
 
+_STEPPED: dict[int, float] = {}  # id of a CpuUse -> when (time.monotonic) its engine last stepped
+
+
 class CpuUse:
     """What the CPUs this process may run on did, from /proc/stat: ``idle()``, the CPUs that sat
     idle since its previous call; ``others()``, the CPUs that programs other than this one kept
-    busy since its previous call (their busy time less this process's CPU time). None where
-    there is no /proc/stat, or on a first call."""
+    busy since its previous call (their busy time less this process's CPU time), and one more
+    while another engine of this process steps (``stepped``: its CPU time is this process's).
+    None where there is no /proc/stat, or on a first call."""
 
     def __init__(self, path: str = "/proc/stat"):
         self.path = path
@@ -363,7 +387,17 @@ class CpuUse:
 
     def others(self) -> float | None:
         got = self._since("others")
-        return None if got is None else max(0.0, got[1] - got[2])
+        if got is None:
+            return None
+        now = time.monotonic()
+        engines = any(key != id(self) and now - when < OTHER_ENGINE for key, when in _STEPPED.items())
+        return max(0.0, got[1] - got[2]) + (1.0 if engines else 0.0)
+
+    def stepped(self) -> None:
+        """Its engine stepped now (what the others of this process read)."""
+        if id(self) not in _STEPPED:
+            weakref.finalize(self, _STEPPED.pop, id(self), None)
+        _STEPPED[id(self)] = time.monotonic()
 
     def _since(self, reader: str) -> tuple[float, float, float] | None:
         """(idle CPUs, busy CPUs, this process's CPUs) on average since this reader's last call."""

@@ -518,3 +518,50 @@ def test_cpu_use_counts_this_process_as_its_own(tmp_path, monkeypatch):
     write(1300, 1000, 1100, 1200)
     assert use.idle() == pytest.approx(1.0)
     assert use.others() == pytest.approx(1.0)  # cpu0's second, none of it this process's
+
+
+def test_another_engine_of_this_process_stepping_counts_as_load(tmp_path, monkeypatch):
+    """Two models behind one port: each engine's steps are this process's CPU time, not another
+    program's, and still load for the other engine."""
+    from localllm.engine import threads
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu0 0 0 0 0 0 0 0 0 0 0\n")
+    clock = {"wall": 100.0}
+    monkeypatch.setattr(threads.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    mine, other = threads.CpuUse(str(stat)), threads.CpuUse(str(stat))
+    mine.others()
+    clock["wall"] += 1.0
+    mine.stepped()
+    assert mine.others() == 0.0  # its own steps: not load
+    other.stepped()
+    clock["wall"] += 1.0
+    assert mine.others() == 1.0  # the other engine stepped a second ago
+    clock["wall"] += threads.OTHER_ENGINE
+    assert mine.others() == 0.0  # and stopped
+    gone = id(other)
+    del other  # an engine closed: forgotten
+    assert gone not in threads._STEPPED and id(mine) in threads._STEPPED
+
+
+def test_prompts_do_not_probe_fewer_threads_than_decode_runs_on():
+    """Decode steps at two threads, fine there; prompts between them wander as a busy machine's
+    do: no prompt is spent on one thread. An engine that only reads prompts still probes."""
+    rng = random.Random(5)
+    base = two_cores()
+
+    def cost(kind, n, t):
+        return base(kind, n, t) if kind == "decode" else 0.6 * n ** -0.8 * rng.choice([0.6, 1.0, 1.5])
+
+    m = Machine(cost)
+    c = m.chooser(2)
+    prompts = []
+    while m.t < 300:
+        m.run(c, until=m.t + 2.0)
+        prompts += m.run(c, until=m.t + 0.01, kind="prefill", num_tokens=142)
+    assert {n for _, n, _ in prompts} == {2} and c.counters("prefill") == (0, 0)
+    m2 = Machine(cost)
+    c2 = m2.chooser(2)
+    only = m2.run(c2, until=300.0, kind="prefill", num_tokens=142)
+    assert 1 in {n for _, n, _ in only}
