@@ -565,3 +565,4 @@ def test_prompts_do_not_probe_fewer_threads_than_decode_runs_on():
     c2 = m2.chooser(2)
     only = m2.run(c2, until=300.0, kind="prefill", num_tokens=142)
     assert 1 in {n for _, n, _ in only}
+
