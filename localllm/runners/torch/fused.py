@@ -149,6 +149,11 @@ class FusedSlot:
         self.build, self.on = build, True
         self.held: tuple[KVPool, FusedLayers | None] | None = None
 
+    @property
+    def computing(self) -> bool:
+        """Whether the native layers computed the last pool's steps (built, and not None)."""
+        return self.held is not None and self.held[1] is not None
+
     def get(self, pool: KVPool, batch) -> FusedLayers | None:
         if not self.on or batch.native_meta is None:
             return None

@@ -316,8 +316,7 @@ class TorchRunner:
         there are small, and its OpenMP workers, spinning after each, would take the cores from
         the kernels' pool); the step's count where torch computes the layers."""
         slot = getattr(self.model, "fused", None)
-        native_layers = slot is not None and slot.held is not None and slot.held[1] is not None
-        return 1 if native_layers else native_kernels.threads()
+        return 1 if slot is not None and slot.computing else native_kernels.threads()
 
     def close(self) -> None:
         self.graphs = None  # its captured graphs hold their memory pool (VRAM) until dropped
