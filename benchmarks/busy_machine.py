@@ -182,8 +182,12 @@ def in_process(args) -> None:
             lcp_default = [n for (ld, n) in table if ld == load and n.startswith("llama-cpp-python default")][0]
             for i, what in ((0, "decode"), (1, "prefill")):
                 best = max(fixed, key=lambda n: med(n, i))
+                # The same ratio round by round (the two ran seconds apart, under the host's
+                # load of that moment), its median: the host's slow drifts cancel.
+                paired = median([a[i] / b[i] for a, b in zip(table[(load, ours)], table[(load, best)])])
                 print(f"{runner} load {load} {what}: default/best fixed ({best.split()[-1]}) "
-                      f"{med(ours, i) / med(best, i):.2f}x, default/fixed {cores} (today's) "
+                      f"{med(ours, i) / med(best, i):.2f}x (paired by round {paired:.2f}x), "
+                      f"default/fixed {cores} (today's) "
                       f"{med(ours, i) / med(fixed[-1], i):.2f}x, default/llama.cpp at {cores} "
                       f"{med(ours, i) / med(lcp_cores, i):.2f}x, default/llama-cpp-python's default "
                       f"{med(ours, i) / med(lcp_default, i):.2f}x")
@@ -237,6 +241,14 @@ def serve(args) -> None:
         print(f"| {load} | {'default' if not threads else f'--threads {threads}'} | "
               f"{median([x['output_tokens_per_s'] for x in runs]):.1f} | "
               f"{median([x['tpot_p95_s'] for x in runs]) * 1000:.0f} |")
+    print()
+    for load in sorted({load for load, _ in table}):
+        def rate(threads):
+            return [x["output_tokens_per_s"] for x in table[(load, threads)]]
+        best = max(range(1, cores + 1), key=lambda n: median(rate(n)))
+        paired = median([a / b for a, b in zip(rate(0), rate(best))])
+        print(f"load {load}: default/best fixed ({best}) {median(rate(0)) / median(rate(best)):.2f}x "
+              f"(paired by round {paired:.2f}x)")
 
 
 def main() -> None:
