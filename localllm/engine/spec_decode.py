@@ -12,8 +12,10 @@ One decode step with a draft, for a sequence whose tokens end in ``... a b c``::
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from statistics import median
 
 
 
@@ -89,15 +91,21 @@ class StepCost:
     1-token step does; on a 2-core CPU it costs 14 times as much).
 
     Decode steps (every sequence computing its next token, with or without drafts) are kept
-    per power-of-two bucket of n as an EMA of (tokens, seconds): one point per bucket, and a
-    step's time is interpolated linearly between the points. Past the largest point it is
-    estimated optimistically, adding the cheapest per-token time seen in any step (prefill
-    chunks included), so that longer drafts get tried, and measured.
+    per power-of-two bucket of n, the last ``window`` of each; a bucket's point is their
+    median tokens and median seconds, and a step's time is interpolated linearly between the
+    points. A laptop is shared: one step that another program delayed by half moves no
+    median, where it moved an average by a third of that and could tip ``Drafter``'s
+    judgement of drafts as cheap or dear (a forced-AVX2 run's curve read 2 tokens at 1.47x
+    one, where steps of each size timed apart read 1.17x). A lasting change is followed
+    after half the window. Past the largest point it is estimated optimistically, adding the
+    cheapest per-token time seen in any step (prefill chunks included), so that longer drafts
+    get tried, and measured.
     """
 
-    def __init__(self, alpha: float = 0.3):
-        self.alpha = alpha
-        self._points: dict[int, tuple[float, float]] = {}  # bucket -> EMA (tokens, seconds)
+    def __init__(self, window: int = 9):
+        self.window = window
+        self._recent: dict[int, deque[tuple[int, float]]] = {}  # bucket -> its last (tokens, seconds)
+        self._points: list[tuple[float, float]] | None = []  # the curve, None until recomputed
         self._floor: float | None = None  # the lowest seconds per token of any step seen
 
     @staticmethod
@@ -109,16 +117,17 @@ class StepCost:
         if num_tokens <= 0 or seconds <= 0:
             return
         if decode_only:
-            b = self.bucket(num_tokens)
-            old = self._points.get(b)
-            self._points[b] = (num_tokens, seconds) if old is None else (
-                old[0] + self.alpha * (num_tokens - old[0]), old[1] + self.alpha * (seconds - old[1]))
+            recent = self._recent.setdefault(self.bucket(num_tokens), deque(maxlen=self.window))
+            recent.append((num_tokens, seconds))
+            self._points = None
         rate = seconds / num_tokens
         self._floor = rate if self._floor is None else min(self._floor, rate)
 
     def points(self) -> list[tuple[float, float]]:
         """The learned curve: (tokens, seconds) per bucket, by tokens."""
-        return sorted(self._points.values())
+        if self._points is None:
+            self._points = sorted((median(n for n, _ in r), median(t for _, t in r)) for r in self._recent.values())
+        return self._points
 
     def seconds(self, num_tokens: int) -> float | None:
         """The expected time of a step of num_tokens; None before any decode step was timed."""

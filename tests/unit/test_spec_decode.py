@@ -132,7 +132,7 @@ def test_32k_context_memory_and_append_cost():
 
 
 def test_step_cost_interpolates_between_buckets_and_extrapolates_optimistically():
-    cost = StepCost(alpha=0.5)
+    cost = StepCost()
     assert cost.seconds(1) is None  # nothing seen: no estimate, so no draft
     cost.record(256, 0.768, decode_only=False)  # a prefill chunk: 3 ms per token, the floor
     assert cost.seconds(1) is None  # prefill steps alone give no decode estimate
@@ -143,13 +143,28 @@ def test_step_cost_interpolates_between_buckets_and_extrapolates_optimistically(
     assert cost.seconds(33) == pytest.approx(0.020 + 32 * 0.003)
     cost.record(33, 0.280, decode_only=True)
     assert cost.seconds(17) == pytest.approx(0.020 + 0.260 * 16 / 32)  # between the points
-    cost.record(40, 0.300, decode_only=True)  # the same bucket: EMA of (tokens, seconds)
+    cost.record(40, 0.300, decode_only=True)  # the same bucket: medians of (tokens, seconds)
     assert cost.seconds(36.5) == pytest.approx(0.290)
     assert cost.seconds(100) == pytest.approx(0.290 + 63.5 * 0.003)
     only_batches = StepCost()
     only_batches.record(8, 0.050, decode_only=True)
     assert only_batches.seconds(1) == pytest.approx(0.050)  # below the first point: its time
     assert [StepCost.bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 256)] == [0, 1, 2, 2, 3, 3, 4, 8]
+
+
+def test_step_cost_holds_through_one_slow_step_and_follows_a_lasting_change():
+    cost = StepCost(window=5)
+    for _ in range(5):
+        cost.record(1, 0.020, decode_only=True)
+        cost.record(2, 0.024, decode_only=True)
+    cost.record(2, 0.040, decode_only=True)  # another program took the core for one step
+    assert cost.seconds(2) == pytest.approx(0.024)  # an average would have moved by a third of it
+    assert cost.seconds(2) / cost.seconds(1) == pytest.approx(1.2)
+    cost.record(2, 0.040, decode_only=True)
+    assert cost.seconds(2) == pytest.approx(0.024)
+    cost.record(2, 0.040, decode_only=True)  # three of the last five: the load stays
+    assert cost.seconds(2) == pytest.approx(0.040)
+    assert cost.points() == [(1, 0.020), (2, 0.040)]
 
 
 def test_step_cost_ignores_empty_steps():
