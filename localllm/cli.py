@@ -450,9 +450,13 @@ def cmd_doctor(args) -> int:
     return doctor(as_json=args.json)
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 def _log_to_stderr() -> None:
     """Warnings and notes from below the CLI (a dropped prefix-cache entry, a full disk, a
-    runner falling back) as one line each."""
+    runner falling back) as one line each; ``LOCALLLM_LOG=debug`` adds why the engine did
+    what it did (each move of the thread count, engine/threads.py)."""
     import logging
 
     logger = logging.getLogger("localllm")
@@ -460,7 +464,10 @@ def _log_to_stderr() -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("localllm: %(levelname)s: %(message)s"))
         logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+        level = os.environ.get("LOCALLLM_LOG", "info").strip().lower() or "info"
+        logger.setLevel(level.upper() if level in LOG_LEVELS else logging.INFO)
+        if level not in LOG_LEVELS:
+            logger.warning("LOCALLLM_LOG=%s is not one of %s; logging at info", level, ", ".join(LOG_LEVELS))
 
 
 def main(argv: list[str] | None = None) -> int:

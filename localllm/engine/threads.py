@@ -49,6 +49,7 @@ count (``--threads N``) turns all of it off.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import weakref
@@ -70,6 +71,9 @@ SPARE_EVERY = 0.5  # seconds (wall clock) between reads of the CPUs' idle time
 FLOOR_UNSEEN = 10.0  # seconds of work: the longest a lost probe holds off faster steps' probes without idle-CPU readings
 OTHERS_BUSY = 0.5  # CPUs other programs used: below it, fewer threads are not probed
 OTHER_ENGINE = 2.0  # seconds (wall clock): another engine of this process that stepped this recently is load
+
+# Each move, at debug level (`LOCALLLM_LOG=debug localllm serve ...`): why the count changed.
+log = logging.getLogger("localllm.threads")
 
 
 SHORT_PROMPT = 64  # tokens: a prompt step of at most this many is judged with the decode steps
@@ -106,6 +110,7 @@ class _Probe:
 
 @dataclass
 class _Arm:
+    kind: str
     current: int
     recent: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # (count, bucket) -> (s, when)
     ref: dict[int, float] = field(default_factory=dict)  # bucket -> the current count's step time at the last decision
@@ -154,7 +159,7 @@ class ThreadChooser:
         self.others_busy = others_busy if others_busy is not None else (lambda: None)
         self._others: float | None = None  # the last reading of others_busy
         self._others_checked = float("-inf")
-        self._arms = {kind: _Arm(current=fixed or max_threads) for kind in KINDS}
+        self._arms = {kind: _Arm(kind, current=fixed or max_threads) for kind in KINDS}
         self._work = 0.0  # seconds the recorded steps took, all kinds: the timers' clock
         self._spare_checked = float("-inf")
         self._spare_known = False  # whether idle CPUs have been read here
@@ -327,6 +332,9 @@ class ThreadChooser:
             old = arm.current
             arm.current = probe.count
             arm.num_moves += 1
+            log.debug("%s steps: %d -> %d threads: its steps of %s took %s of the time on %d",
+                      arm.kind, old, probe.count, f"up to {1 << b} tokens" if b else "1 token",
+                      " then ".join(f"{r:.2f}" for r in probe.ratios), old)
             arm.steps = 1
             arm.ref.clear()
             arm.recent[(probe.count, b)] = (seconds, self.clock())

@@ -3,6 +3,7 @@ command itself is replaced, so nothing loads a model)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,32 @@ def test_no_spec_is_in_the_help_of_every_model_command(command, capsys, monkeypa
         cli.main([command, "--help"])
     assert e.value.code == 0
     assert "--no-spec             turn off prompt-lookup speculative decoding\n" in capsys.readouterr().out
+
+
+@pytest.fixture
+def fresh_logger():
+    """The package's logger with no handler yet, as in a new process; restored after."""
+    logger = logging.getLogger("localllm")
+    saved = logger.handlers[:], logger.level
+    logger.handlers.clear()
+    yield logger
+    logger.handlers[:], logger.level = saved[0], saved[1]
+
+
+@pytest.mark.parametrize("value, level", [(None, "INFO"), ("debug", "DEBUG"), (" Warning ", "WARNING"),
+                                          ("", "INFO")])
+def test_localllm_log_sets_the_level(fresh_logger, monkeypatch, value, level):
+    if value is None:
+        monkeypatch.delenv("LOCALLLM_LOG", raising=False)
+    else:
+        monkeypatch.setenv("LOCALLLM_LOG", value)
+    cli._log_to_stderr()
+    assert fresh_logger.level == getattr(logging, level)
+
+
+def test_an_unknown_localllm_log_logs_at_info_and_says_so(fresh_logger, monkeypatch, capsys):
+    monkeypatch.setenv("LOCALLLM_LOG", "verbose")
+    cli._log_to_stderr()
+    assert fresh_logger.level == logging.INFO
+    assert capsys.readouterr().err == (
+        "localllm: WARNING: LOCALLLM_LOG=verbose is not one of debug, info, warning, error; logging at info\n")
