@@ -94,10 +94,10 @@ class StepCost:
     per power-of-two bucket of n, the last ``window`` of each; a bucket's point is their
     median tokens and median seconds, and a step's time is interpolated linearly between the
     points. A laptop is shared: one step that another program delayed by half moves no
-    median, where it moved an average by a third of that and could tip ``Drafter``'s
-    judgement of drafts as cheap or dear (a forced-AVX2 run's curve read 2 tokens at 1.47x
-    one, where steps of each size timed apart read 1.17x). A lasting change is followed
-    after half the window. Past the largest point it is estimated optimistically, adding the
+    median, where it moved the average kept before (weight 0.3) by 15 %, enough to tip
+    ``Drafter``'s judgement of drafts as cheap or dear, which sits near its threshold on the
+    CPU (docs/benchmarks.md). A lasting change is followed once it holds a majority of the
+    window. Past the largest point it is estimated optimistically, adding the
     cheapest per-token time seen in any step (prefill chunks included), so that longer drafts
     get tried, and measured.
     """
