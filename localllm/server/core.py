@@ -12,6 +12,7 @@ come back at the next step).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -206,13 +207,14 @@ class Server:
         """Stream (choice index, output) for n choices of one prompt (run_prompts)."""
         return self.run_prompts([prompt_ids], params)
 
-    async def run_prompts(self, prompts: list[list[int]],
-                          params: list[SamplingParams]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def run_prompts(self, prompts: list[list[int]], params: list[SamplingParams],
+                          cut: set[int] | frozenset[int] = frozenset()) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Stream (choice index, output) for the n = len(params) // len(prompts) choices of each
         prompt, numbered as OpenAI numbers them: choice p * n + j is prompt p's j-th. All run
         at once, sharing the engine's steps; a prompt's first choice runs alone until its
         prompt is computed, so the others find its KV blocks and share them. Leaving the
-        stream early aborts every choice."""
+        stream early aborts every choice; a choice whose index the caller puts in ``cut`` is
+        aborted at its next output."""
         n = len(params) // len(prompts)
         queue: asyncio.Queue = asyncio.Queue()
         prefilled = [asyncio.Event() for _ in prompts]
@@ -223,9 +225,12 @@ class Server:
             try:
                 if index % n:
                     await prefilled[prompt].wait()
-                async for out in self.engine.generate(prompts[prompt], params[index]):
-                    prefilled[prompt].set()
-                    await queue.put((index, out))
+                async with contextlib.aclosing(self.engine.generate(prompts[prompt], params[index])) as outs:
+                    async for out in outs:
+                        prefilled[prompt].set()
+                        if index in cut:
+                            break  # closing the engine's stream aborts the request
+                        await queue.put((index, out))
             except BaseException as e:  # delivered to the consumer, which re-raises it
                 prefilled[prompt].set()
                 await queue.put((index, e))
@@ -261,12 +266,18 @@ class Server:
         """collect for the choices of several prompts, numbered as run_prompts numbers them."""
         choices = [Choice(i) for i in range(len(params))]
 
+        cut: set[int] = set()
+
         async def consume() -> None:
-            async for i, out in self.run_prompts(prompts, params):
+            async for i, out in self.run_prompts(prompts, params, cut):
+                if i in cut:
+                    continue
                 self.add(choices[i], out)
                 if until is not None and choices[i].finish_reason is None and until(choices[i]):
                     choices[i].finish_reason = "length"
-                    break  # one choice: leaving the stream aborts it
+                    cut.add(i)  # run_prompts aborts it at its next output
+                    if len(cut) == len(choices):
+                        break  # leaving the stream aborts them all at once
 
         async def client_left() -> None:
             # A blocking receive, not request.is_disconnected(): behind a BaseHTTPMiddleware

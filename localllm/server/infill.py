@@ -58,6 +58,7 @@ class InfillRequest(BaseModel):
     stream: bool = False
     t_max_predict_ms: Int | None = Field(default=None, ge=0)
     n_indent: Int | None = Field(default=None, ge=0)
+    n_cmpl: Int = 1  # answers to the one prompt: above 1, a list of results (llama.vscode's alternatives)
     response_fields: list[str] | None = Field(default=None, max_length=64)
 
 
@@ -88,7 +89,16 @@ class Infill:
 
     async def infill(self, req: InfillRequest, request: Request):
         server = self.server
-        budget = server.max_model_len - (req.n_predict if req.n_predict > 0 else 0)
+        n = 1 if req.n_predict == 0 else req.n_cmpl
+        if not 1 <= n <= server.max_num_seqs:  # llama-server's words, which llama.vscode reads
+            raise APIError(400, f"Field 'n_cmpl': Value must be between 1 <= value <= {server.max_num_seqs}, "
+                                f"but got {n}", param="n_cmpl")
+        if n > 1 and req.stream:
+            raise APIError(400, "n_cmpl above 1 is answered whole: send stream false", param="n_cmpl")
+        # n_predict 0: the prompt only, into the prefix cache for the request to come (llama.vscode
+        # sends its other files so as the person types); the one token it yields is dropped.
+        n_predict = 1 if req.n_predict == 0 else req.n_predict if req.n_predict > 0 else None
+        budget = server.max_model_len - (n_predict or 0)
         encode_fim = getattr(server.tokenizer, "encode_fim", None)
         if encode_fim is None:
             raise APIError(400, "fill-in-the-middle is not supported yet", param="input_prefix")
@@ -98,19 +108,24 @@ class Infill:
                 req.prompt, budget - 1)
         except UsageError as e:
             raise APIError(400, str(e), param="input_prefix") from None
-        max_tokens = server.max_tokens_for(len(prompt_ids), req.n_predict if req.n_predict > 0 else None, "n_predict")
+        max_tokens = server.max_tokens_for(len(prompt_ids), n_predict, "n_predict")
         params = server.sampling_params(
-            max_tokens=max_tokens, stop=tuple(req.stop or ()), seed=req.seed, top_p=req.top_p, top_k=req.top_k,
+            n=n, max_tokens=max_tokens, stop=tuple(req.stop or ()), seed=req.seed, top_p=req.top_p, top_k=req.top_k,
             temperature=req.temperature, min_p=req.min_p, repetition_penalty=req.repeat_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
-        server.check_capacity(1)
+        server.check_capacity(n)
         started = time.perf_counter()
         until = _limits(req.t_max_predict_ms, req.n_indent)
-        if req.stream:
+        if req.stream and req.n_predict != 0:
             return StreamingResponse(self.stream(prompt_ids, params, started, until, req.response_fields),
                                      media_type="text/event-stream")
-        [c] = await server.collect(request, prompt_ids, params, until)
-        return self.result(c, prompt_ids, started, fields=req.response_fields)
+        choices = await server.collect(request, prompt_ids, params, until)
+        if req.n_predict == 0:
+            choices[0].text, choices[0].token_ids, choices[0].finish_reason = "", [], "length"
+        results = [self.result(c, prompt_ids, started, fields=req.response_fields) for c in choices]
+        if req.stream:  # n_predict 0: nothing to stream but the end
+            return StreamingResponse(iter([sse(results[0])]), media_type="text/event-stream")
+        return results if req.n_cmpl > 1 and req.n_predict != 0 else results[0]
 
     def result(self, c: Choice, prompt_ids: list[int], started: float, content: str | None = None,
                fields: list[str] | None = None) -> dict:
@@ -208,7 +223,8 @@ def indent_cut(text: str, n_indent: int) -> int | None:
 def add_routes(app: FastAPI, models: ServedModels) -> None:
 
     @app.post("/infill", response_model=None,
-              responses={200: {"model": InfillResult | PickedFields, "content": {"text/event-stream": {}}}})
+              responses={200: {"model": InfillResult | PickedFields | list[InfillResult | PickedFields],
+                               "content": {"text/event-stream": {}}}})
     async def infill(body: InfillRequest, request: Request):
-        async with models.lease(body.model, body.keep_alive) as lease:
+        async with models.lease(body.model, body.keep_alive, unknown_is_default=True) as lease:
             return lease.hand_over(await Infill(lease.server).infill(body, request))

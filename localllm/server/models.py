@@ -132,6 +132,7 @@ class ServedModels:
         self._planned_ctx = plans if plans is not None else {}  # entry name -> KV tokens (for /v1/models)
         self._started = False
         self.loader: Loader | None = None  # serve_models' (None for ServedModels.of)
+        self._unknown_names: set[str] = set()  # logged by entry(unknown_is_default=True); at most 64
 
     @classmethod
     def of(cls, engine, model_path: Path, config: ServerConfig, embedder=None) -> "ServedModels":
@@ -172,12 +173,27 @@ class ServedModels:
     def loaded(self) -> list[LoadedModel]:
         return self.manager.loaded_models()
 
-    def entry(self, name: str | None, kind: str) -> ModelEntry:
+    def entry(self, name: str | None, kind: str, unknown_is_default: bool = False) -> ModelEntry:
         """The entry a request's ``model`` names, for a door of ``kind`` ("text": chat and
         completion models; "embedding"); None or "": the door's default model (llama-server
-        takes "" so, and llama.vim sends it when no model is configured)."""
+        takes "" so, and llama.vim sends it when no model is configured).
+
+        ``unknown_is_default``, for llama-server's own routes (/infill): a name this server does
+        not serve is the default model too, as llama-server, which serves one model, reads no
+        name there. llama.vscode sends its setting `ai_model` (by default OpenRouter's
+        "google/gemini-2.5-flash") to whatever endpoint it has; a 404 would leave its editor
+        with no completions and no word why. The server's log says so, once a name."""
         if name is not None and not name.strip():
             name = None
+        if name is not None and unknown_is_default and self.upstream(name) is None:
+            try:
+                self.manager.resolve(name)
+            except ModelNotFound:
+                if name not in self._unknown_names and len(self._unknown_names) < 64:
+                    self._unknown_names.add(name)
+                    log.warning("a request to llama-server's routes named the model '%s', which this server "
+                                "does not serve: answered by its default model, as llama-server answers", name)
+                name = None
         entries = self.manager.entries
         upstream = self.upstream(name)
         if upstream is not None:
@@ -213,10 +229,11 @@ class ServedModels:
                 "(see GET /v1/models; `localllm pull NAME` installs one)")
 
     @contextlib.asynccontextmanager
-    async def lease(self, name: str | None, keep_alive: object = None, kind: str = "text") -> AsyncIterator[Lease]:
+    async def lease(self, name: str | None, keep_alive: object = None, kind: str = "text",
+                    unknown_is_default: bool = False) -> AsyncIterator[Lease]:
         """The loaded model ``name`` reaches (loading it), held until the block exits — or, for a
         response handed over (Lease.hand_over), until that response is sent."""
-        entry = self.entry(name, kind)
+        entry = self.entry(name, kind, unknown_is_default)
         await self.start()
         stack = contextlib.AsyncExitStack()
         try:

@@ -11,12 +11,20 @@ import pytest
 pytestmark = pytest.mark.model
 
 PREFIX, SUFFIX = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
-# What llama.vscode (llama.cpp's editor plugin) sends besides the text, as its source has it.
-VSCODE = {"n_predict": 16, "top_k": 40, "top_p": 0.99, "stream": False, "n_indent": 4,
-          "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True, "t_max_prompt_ms": 500,
-          "t_max_predict_ms": 1000, "response_fields": ["content", "timings/prompt_n", "tokens_cached"]}
-
-
+# What llama.vscode (llama.cpp's editor plugin; src/llama-server.ts at v0.0.63) sends besides the
+# text: its setting `ai_model` goes along as "model" whatever the endpoint, by default OpenRouter's
+# "google/gemini-2.5-flash", which llama-server (one model) never reads; `n_cmpl` asks for that
+# many alternatives; no temperature.
+VSCODE = {"id_slot": 0, "n_predict": 128, "n_cmpl": 3, "top_k": 40, "top_p": 0.99, "stream": False,
+          "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True, "n_indent": 4,
+          "t_max_prompt_ms": 500, "t_max_predict_ms": 500, "model": "google/gemini-2.5-flash"}
+# ... and, as the person types, its other files alone to warm the cache: n_predict 0.
+VSCODE_PREP = {"id_slot": 0, "input_prefix": "", "input_suffix": "", "prompt": "", "n_predict": 0, "samplers": [],
+               "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 1,
+               "model": "google/gemini-2.5-flash"}
+# Its other files ("chunks"), each with the time it was taken.
+EXTRA = [{"filename": "math_utils.py", "text": "def mul(a, b):\n    return a * b\n", "time": 1765150000000},
+         {"filename": "notes.txt", "text": "<|im_start|>system\nnot a control token\n", "time": 1765150000001}]
 
 
 def test_infill_fills_the_middle_like_completions_suffix(keyed_http, live_server):
@@ -33,24 +41,38 @@ def test_infill_fills_the_middle_like_completions_suffix(keyed_http, live_server
 
 
 def test_infill_as_llama_vscode_sends_it_with_other_files_and_a_stream(keyed_http):
-    extra = [{"filename": "math_utils.py", "text": "def mul(a, b):\n    return a * b\n"},
-             {"filename": "notes.txt", "text": "<|im_start|>system\nnot a control token\n"}]
-    body = VSCODE | {"input_prefix": "from math_utils import mul\n\ndef square(x):\n    return ",
-                     "input_suffix": "\n", "input_extra": extra, "prompt": "mul(", "temperature": 0}
-    result = keyed_http.post("/infill", json=body).json()
-    assert result["content"].replace(" ", "").startswith("x,x)"), result["content"]
-    # response_fields: the fields asked for, flat, keyed by their paths (as llama-server answers).
-    assert set(result) == {"content", "timings/prompt_n", "tokens_cached"}
-    assert result["timings/prompt_n"] + result["tokens_cached"] > 40  # the other files are in the prompt
+    text = {"input_prefix": "from math_utils import mul\n\ndef square(x):\n    return ", "input_suffix": "\n",
+            "input_extra": EXTRA, "prompt": "mul("}
+    # Its warm-up: the other files go into the prefix cache, and nothing is written.
+    warm = keyed_http.post("/infill", json=VSCODE_PREP | {"input_extra": EXTRA})
+    assert warm.status_code == 200, warm.text
+    assert warm.json()["content"] == "" and warm.json()["tokens_predicted"] == 0
+    assert warm.json()["tokens_evaluated"] > 20  # the files are in the prompt
 
-    # Streamed, the same answer (without the time limit, which cuts where the machine's speed says).
+    # Its completion, under a model name this server does not serve: llama-server's default model
+    # answers, with n_cmpl's three alternatives (the same three, greedy).
+    r = keyed_http.post("/infill", json=VSCODE | text | {"temperature": 0})
+    assert r.status_code == 200, r.text
+    results = r.json()
+    assert isinstance(results, list) and len(results) == 3
+    assert len({res["content"] for res in results}) == 1
+    assert results[0]["content"].replace(" ", "").startswith("x,x)"), results[0]["content"]
+    assert results[0]["tokens_cached"] >= 16  # the warm-up's files, from the prefix cache
+    # Sampled, as llama.vscode sends it (no temperature): three answers.
+    sampled = keyed_http.post("/infill", json=VSCODE | text)
+    assert sampled.status_code == 200 and len(sampled.json()) == 3
+
+    # One completion is one object; streamed, the same answer (without the time limit, which
+    # cuts where the machine's speed says).
+    body = VSCODE | text | {"n_cmpl": 1, "temperature": 0, "response_fields": ["content", "tokens_cached"]}
     body.pop("t_max_predict_ms")
     whole = keyed_http.post("/infill", json=body).json()
+    assert set(whole) == {"content", "tokens_cached"}  # response_fields: the fields asked for, flat
     with keyed_http.stream("POST", "/infill", json=body | {"stream": True}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     assert [e["stop"] for e in events[:-1]] == [False] * (len(events) - 1)
-    assert set(events[-1]) == {"content", "timings/prompt_n", "tokens_cached"}  # the end, its fields picked
+    assert set(events[-1]) == {"content", "tokens_cached"}  # the end, its fields picked
     assert "".join(e["content"] for e in events) == whole["content"]
 
 
@@ -91,4 +113,13 @@ def test_bad_infill_requests_are_400(keyed_http):
         assert r.status_code == 400, (body, r.text)
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert keyed_http.post("/infill", content=b"{not json").status_code == 400
+    for n in (0, 10**3):  # in llama-server's words, which llama.vscode reads and adds its advice to
+        r = keyed_http.post("/infill", json={"input_prefix": PREFIX, "n_cmpl": n})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+            "Field 'n_cmpl': Value must be between 1 <= value <= "), r.text
+    r = keyed_http.post("/infill", json={"input_prefix": PREFIX, "n_cmpl": 2, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n_cmpl"
+    # Only llama-server's own route takes a name it does not serve as its default model.
+    r = keyed_http.post("/v1/completions", json={"model": "google/gemini-2.5-flash", "prompt": PREFIX})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert keyed_http.get("/health").json()["status"] == "ok"
