@@ -101,7 +101,7 @@ class Tokenizer:
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         """A plain prompt. Control-token text in it (``<|im_end|>``, ``<tool_call>``) stays plain
         text: unlike llama-server, localllm never reads control tokens out of a prompt's text;
-        send token ids for those."""
+        send token ids for those (the one layout read is the FIM template: encode_fim_layout)."""
         return self._plain(_utf8(text, "the prompt"), add_special)
 
     def encode_fim(self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (), middle: str = "",
@@ -147,6 +147,37 @@ class Tokenizer:
             room -= len(pre) + len(suf)
             context = context[len(context) - min(len(context), room):] if room > 0 else []
         return [*context, *bos, v.fim_pre_id, *pre, *mid, v.fim_suf_id, *suf, v.fim_mid_id]
+
+    def encode_fim_layout(self, text: str) -> list[int] | None:
+        """A plain prompt laid out as this model's fill-in-the-middle template, as editors that
+        know the template send it to /v1/completions (Continue's autocomplete:
+        ``<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>``, other files before it
+        after ``<|repo_name|>`` and ``<|file_sep|>``): the model's FIM markers read as the
+        tokens they name and every part between them plain, as encode_fim reads its parts (an
+        ``<|im_start|>`` in the code stays text). None unless the text holds the prefix
+        marker, then the suffix marker, and ends with the middle marker: encode reads any
+        other prompt all plain."""
+        v = self._vocab
+        ids = [v.fim_pre_id, v.fim_suf_id, v.fim_mid_id]
+        if None in ids:
+            return None
+        pre, suf, mid = (self.piece(t, special=True).decode("utf-8", "replace") for t in ids)
+        start = text.find(pre) if pre else -1
+        if start < 0 or not mid or not text.endswith(mid) or text.find(suf, start + len(pre)) < 0 or not suf:
+            return None
+        markers = {pre: v.fim_pre_id, suf: v.fim_suf_id, mid: v.fim_mid_id}
+        for t in (getattr(v, "fim_rep_id", None), getattr(v, "fim_sep_id", None)):
+            if t is not None and (name := self.piece(t, special=True).decode("utf-8", "replace")):
+                markers[name] = t
+        out: list[int] = []
+        for part in re.split("(" + "|".join(map(re.escape, sorted(markers, key=len, reverse=True))) + ")", text):
+            if part in markers:
+                if markers[part] == v.fim_pre_id and v.add_bos and v.bos_id is not None:
+                    out.append(v.bos_id)  # where encode_fim puts it
+                out.append(markers[part])
+            elif part:
+                out += self._plain(_utf8(part, "the prompt"))
+        return out
 
     def encode_special(self, text: str, add_special: bool = False) -> list[int]:
         """Text with control-token text in it read as those tokens (``<|im_start|>`` is one

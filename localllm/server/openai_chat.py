@@ -261,7 +261,11 @@ class OpenAIChat:
                 raise APIError(400, "suffix needs the prompt as text", param="suffix")
             prompts = [self.fim_prompt(text, req.suffix, "suffix") for text in prompt]
         elif isinstance(prompt[0], str):
-            prompts = await asyncio.to_thread(lambda: [self.tokenizer.encode(text) for text in prompt])
+            # A prompt laid out as the model's FIM template (Continue's autocomplete) reads its
+            # markers as tokens; any other stays all plain text.
+            layout = getattr(self.tokenizer, "encode_fim_layout", lambda text: None)
+            prompts = await asyncio.to_thread(
+                lambda: [layout(text) or self.tokenizer.encode(text) for text in prompt])
         else:
             n_vocab = self.tokenizer.n_vocab
             prompts = [list(ids) for ids in prompt]

@@ -123,3 +123,40 @@ def test_bad_infill_requests_are_400(keyed_http):
     r = keyed_http.post("/v1/completions", json={"model": "google/gemini-2.5-flash", "prompt": PREFIX})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert keyed_http.get("/health").json()["status"] == "ok"
+
+
+# Continue's autocomplete on `provider: openai` (core/llm/llms/OpenAI.ts, _legacystreamComplete,
+# at d0a3c0b): the model's FIM template filled in as text, sent to /v1/completions, streamed,
+# with the template's stop words (core/autocomplete/templating/AutocompleteTemplate.ts).
+CONTINUE_STOPS = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+                  "<|repo_name|>", "<|file_sep|>", "<|im_start|>", "<|im_end|>"]
+
+
+def test_completions_read_continues_fim_template_as_the_suffix_route_reads_it(keyed_http, live_server):
+    model = live_server.model_path.stem
+
+    def streamed(prompt: str) -> tuple[str, int]:
+        body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": CONTINUE_STOPS,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with keyed_http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        return "".join(c["text"] for e in events for c in e["choices"]), events[-1]["usage"]["prompt_tokens"]
+
+    text, n = streamed(f"<|fim_prefix|>{PREFIX}<|fim_suffix|>{SUFFIX}<|fim_middle|>")
+    same = keyed_http.post("/v1/completions", json={"model": model, "prompt": PREFIX, "suffix": SUFFIX,
+                                                    "temperature": 0, "max_tokens": 12}).json()
+    assert text == same["choices"][0]["text"] and text.replace(" ", "").startswith("a+b")
+    assert n == same["usage"]["prompt_tokens"]  # the same tokens: the markers read as the FIM tokens
+    # Its repository layout: other files after <|repo_name|> and <|file_sep|>.
+    text, _ = streamed("<|repo_name|>work\n<|file_sep|>math_utils.py\ndef mul(a, b):\n    return a * b\n\n"
+                       "<|file_sep|>main.py\n<|fim_prefix|>from math_utils import mul\n\ndef square(x):\n"
+                       "    return <|fim_suffix|>\n<|fim_middle|>")
+    assert text.replace(" ", "").startswith("x*x") or text.replace(" ", "").startswith("mul(x,x)"), text
+    # Any other layout stays plain text, markers and all (each marker several tokens).
+    _, n_plain = streamed(f"<|fim_prefix|>{PREFIX}<|fim_suffix|>{SUFFIX}")
+    assert n_plain > n + 6  # 18 tokens of text and two markers of 5-6 tokens each, against 21
+    # Inside the template, another control token's text stays text.
+    _, n_im = streamed(f"<|fim_prefix|><|im_start|>{PREFIX}<|fim_suffix|>{SUFFIX}<|fim_middle|>")
+    assert n_im > n + 2
