@@ -1,0 +1,84 @@
+// An editor extension tried for real against a `localllm serve`: VS Code (code-server) in a
+// headless Chromium, a file opened, text typed at its end, the inline completion (ghost text)
+// the extension shows read from the page, accepted with Tab, and the file saved and printed.
+//
+// Setup (docs/testing.md, "Editors, tried for real"): code-server running on --url with the
+// extension installed and its settings pointing at the server; in the folder that holds this
+// script's dependencies, `npm i @sparticuz/chromium puppeteer-core` (Chromium comes inside the
+// npm package, so nothing is downloaded at run time).
+//
+//   node scripts/vscode_trial.mjs --url http://127.0.0.1:8090 --folder /tmp/work \
+//        --file fib.js --type return --shots /tmp/shots
+//
+// Prints one JSON object: the ghost text seen (null if none within --wait seconds), the
+// extension's status-bar items, the file after Tab, and the times. Exit 1 when no ghost text.
+
+import fs from "fs";
+import path from "path";
+import { createRequire } from "module";
+
+const args = Object.fromEntries(process.argv.slice(2).reduce((pairs, a, i, all) =>
+  a.startsWith("--") ? [...pairs, [a.slice(2), all[i + 1]]] : pairs, []));
+const url = args.url ?? "http://127.0.0.1:8090";
+const folder = args.folder ?? "/tmp/work";
+const file = args.file ?? "fib.js";
+const typed = args.type ?? "return";
+const waitS = Number(args.wait ?? 60);
+const shots = args.shots;
+const modules = args.modules ?? process.cwd();  // where @sparticuz/chromium and puppeteer-core are
+
+const require = createRequire(path.join(modules, "node_modules", "x.js"));
+const chromium = (await import(require.resolve("@sparticuz/chromium"))).default;
+const puppeteer = (await import(require.resolve("puppeteer-core"))).default;
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+const t0 = Date.now();
+const seconds = () => Number(((Date.now() - t0) / 1000).toFixed(1));
+const result = { file, typed, ghost: null, ghost_after_s: null, status: null, after: null, errors: [] };
+
+const browser = await puppeteer.launch({
+  executablePath: await chromium.executablePath(), headless: true,
+  args: [...chromium.args, "--window-size=1400,900"], defaultViewport: { width: 1400, height: 900 },
+});
+try {
+  const page = await browser.newPage();
+  page.on("console", (m) => {
+    const text = m.text();
+    if (/error/i.test(text) && /extension host/i.test(text)) result.errors.push(text.slice(0, 300));
+  });
+  await page.goto(`${url}/?folder=${encodeURIComponent(folder)}`, { waitUntil: "domcontentloaded" });
+  await page.waitForSelector(".monaco-workbench", { timeout: 120000 });
+  await sleep(8000);  // the extension host starts the extensions
+  await page.keyboard.down("Control"); await page.keyboard.press("KeyP"); await page.keyboard.up("Control");
+  await sleep(1500);
+  await page.keyboard.type(file, { delay: 50 });
+  await sleep(1500);
+  await page.keyboard.press("Enter");
+  await page.waitForSelector(".monaco-editor .view-lines", { timeout: 60000 });
+  await sleep(5000);
+  await page.click(".monaco-editor .view-lines");
+  await page.keyboard.down("Control"); await page.keyboard.press("End"); await page.keyboard.up("Control");
+  await page.keyboard.type(typed, { delay: 120 });
+  const typedAt = Date.now();
+  while (result.ghost === null && Date.now() - typedAt < waitS * 1000) {
+    await sleep(250);
+    result.ghost = await page.evaluate(() => {
+      const parts = [...document.querySelectorAll(".ghost-text-decoration, .ghost-text-decoration-preview, .ghost-text")];
+      return parts.length ? parts.map((e) => e.textContent).join("") : null;
+    });
+  }
+  result.ghost_after_s = result.ghost === null ? null : Number(((Date.now() - typedAt) / 1000).toFixed(1));
+  if (shots) { fs.mkdirSync(shots, { recursive: true }); await page.screenshot({ path: path.join(shots, "ghost.png") }); }
+  result.status = await page.evaluate(() => [...document.querySelectorAll(".statusbar-item")]
+    .map((e) => e.textContent.trim()).filter((t) => t && /llama|continue|t\/s|ms\b/i.test(t)));
+  if (result.ghost !== null) { await page.keyboard.press("Tab"); await sleep(1000); }
+  await page.keyboard.down("Control"); await page.keyboard.press("KeyS"); await page.keyboard.up("Control");
+  await sleep(2000);
+  if (shots) await page.screenshot({ path: path.join(shots, "after.png") });
+  result.after = fs.readFileSync(path.join(folder, file), "utf8");
+} finally {
+  await browser.close();
+}
+result.total_s = seconds();
+console.log(JSON.stringify(result, null, 2));
+process.exit(result.ghost === null ? 1 : 0);
