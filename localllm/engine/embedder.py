@@ -64,14 +64,24 @@ class Embedder:
         self.n_vocab = self._model.vocab.n_vocab
         self._lock = threading.Lock()
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, max_tokens: int | None = None) -> list[int]:
         """The token ids of text with the special tokens the model adds ([CLS] ... [SEP] for
-        BERT); special-token text inside it stays plain text."""
+        BERT); special-token text inside it stays plain text. With ``max_tokens``, a longer
+        text's own tokens are cut at the end to fit and the model's special tokens kept around
+        them, as sentence-transformers truncates (a last-token pooled model keeps its EOS)."""
         if not isinstance(text, str):
             raise UsageError(f"an embedding input must be text, not {type(text).__name__}")
+        data = text.encode("utf-8")
         with self._lock:
-            model = self._open()
-            return model.vocab.tokenize(text.encode("utf-8"), add_special=True, parse_special=False)
+            vocab = self._open().vocab
+            ids = vocab.tokenize(data, add_special=True, parse_special=False)
+            if max_tokens is None or len(ids) <= max_tokens:
+                return ids
+            plain = vocab.tokenize(data, add_special=False, parse_special=False)
+        extra = len(ids) - len(plain)  # the specials around the text: [CLS] and [SEP], or an EOS
+        lead = next((k for k in range(extra + 1) if ids[k:k + len(plain)] == plain), 0)
+        keep = max(1, max_tokens - extra)
+        return ids[:lead] + plain[:keep] + ids[lead + len(plain):]
 
     def embed(self, inputs: list[list[int]]) -> list[list[float]]:
         """One vector of ``dim`` floats (length 1) per input, in order. Raises UsageError for

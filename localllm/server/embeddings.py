@@ -5,6 +5,12 @@ OpenAI sends it); `dimensions` keeps a vector's first N components and scales th
 length 1 (meaningful for models trained for it, Matryoshka-style: nomic-embed v1.5,
 Qwen3-Embedding); usage. Pooling and normalization are the model's (its GGUF metadata).
 
+An input longer than the model's context is cut to it at the end of its text, the model's
+special tokens kept ([CLS] ... [SEP]; a last-token pooled model's EOS), as Ollama and
+sentence-transformers cut it: Continue's `@codebase` chunks code by its own tokenizer's count
+(500), which all-MiniLM-L6-v2's WordPiece makes longer than its 512. `truncate: false`
+(Ollama's name) makes such an input a 400 naming the limit; usage counts the tokens embedded.
+
 A chat model asked for embeddings is a 400 that names the embedding model to ask instead (or
 says the server has none): localllm does not mean-pool a chat model's states for you (they make
 poor embeddings), as vLLM and llama-server don't by default. `model` absent means the embedding
@@ -38,6 +44,7 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Int | None = Field(default=None, ge=1)
     user: str | None = None
+    truncate: bool = True  # Ollama's: an input over the model's context is cut to it; false: a 400
 
 
 class Embedding(BaseModel):
@@ -67,7 +74,7 @@ class Embeddings:
 
     async def embed(self, req: EmbeddingRequest) -> dict:
         embedder = self.embedder
-        inputs = self.token_lists(req.input)
+        inputs = self.token_lists(req.input, embedder.n_ctx if req.truncate else None)
         if req.dimensions is not None and req.dimensions > embedder.dim:
             raise APIError(400, f"dimensions {req.dimensions} is more than the {embedder.dim} this model gives",
                            param="dimensions")
@@ -88,8 +95,9 @@ class Embeddings:
         return EmbeddingList(data=data, model=self.name,
                              usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)).model_dump()
 
-    def token_lists(self, value) -> list[list[int]]:
-        """The request's inputs as token-id lists, each checked: not empty, in the vocabulary."""
+    def token_lists(self, value, max_tokens: int | None = None) -> list[list[int]]:
+        """The request's inputs as token-id lists, each checked: not empty, in the vocabulary;
+        with ``max_tokens``, each cut to that many (text around the model's special tokens)."""
         if isinstance(value, str):
             value = [value]
         elif value and isinstance(value[0], int):
@@ -101,7 +109,7 @@ class Embeddings:
                            param="input")
         lists = []
         for i, item in enumerate(value):
-            ids = self.embedder.tokenize(item) if isinstance(item, str) else list(item)
+            ids = self.embedder.tokenize(item, max_tokens) if isinstance(item, str) else list(item)[:max_tokens]
             if not ids or (isinstance(item, str) and not item):
                 raise APIError(400, f"input {i} is empty; every input needs some text", param=f"input.{i}")
             bad = next((t for t in ids if not 0 <= t < self.embedder.n_vocab), None)

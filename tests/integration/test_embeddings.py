@@ -131,6 +131,17 @@ def test_threads_share_one_embedder(embedder):
 
 
 @pytest.mark.model
+def test_a_long_text_is_cut_to_fit_between_the_models_special_tokens(embedder):
+    text = "def f(x):\n    return x  # a comment that runs on\n" * 60
+    whole = embedder.tokenize(text)
+    assert len(whole) > 512 and embedder.tokenize(text, 10**6) == whole
+    cut = embedder.tokenize(text, 512)
+    assert len(cut) == 512 and cut[0] == whole[0] == 101 and cut[-1] == whole[-1] == 102  # [CLS] ... [SEP]
+    assert cut[1:-1] == whole[1:511]
+    assert embedder.tokenize("short", 512) == embedder.tokenize("short")
+
+
+@pytest.mark.model
 def test_bad_inputs(embedder):
     assert len(embedder.embed([[101] * 512])[0]) == 384  # exactly the limit
     with pytest.raises(UsageError, match="at most 512 tokens"):

@@ -64,13 +64,34 @@ def test_bad_input_is_an_openai_4xx(client, keyed_http, live_server, model):
     assert "--" not in e.value.message  # what the client can do, not a flag of the server's command
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="no-such-model", input="hi")
-    bad = [{"input": []}, {"input": ""}, {"input": ["ok", ""]}, {"input": "word " * 2000},
+    bad = [{"input": []}, {"input": ""}, {"input": ["ok", ""]}, {"input": "word " * 2000, "truncate": False},
+           {"input": "hi", "truncate": "yes"},
            {"input": [[5, 10**7]]}, {"input": "hi", "dimensions": 385}, {"input": "hi", "dimensions": 0},
            {"input": 5}, {"input": "hi", "encoding_format": "int8"}, {"input": [1.5]}, {"input": "hi", "extra": 1}]
     for body in bad:
         r = keyed_http.post("/v1/embeddings", json={"model": model} | body)
         assert r.status_code == 400, (body, r.text)
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-    over = keyed_http.post("/v1/embeddings", json={"model": model, "input": "word " * 2000}).json()["error"]["message"]
+    over = keyed_http.post("/v1/embeddings", json={"model": model, "input": "word " * 2000,
+                                                   "truncate": False}).json()["error"]["message"]
     assert "512" in over, over  # names the limit
     assert httpx.get(f"{live_server.url}/health").json()["status"] == "ok"
+
+
+
+def test_an_input_over_the_context_is_cut_to_it_around_the_models_special_tokens(keyed_http, model):
+    """As Ollama and sentence-transformers cut it. Continue's @codebase sends chunks of 500 of
+    its own tokenizer's tokens, some over MiniLM's 512: one of them used to fail the batch."""
+    def embed(inputs):
+        r = keyed_http.post("/v1/embeddings", json={"model": model, "input": inputs})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    long, longer = embed("word " * 600), embed("word " * 2000)
+    assert long["usage"]["prompt_tokens"] == longer["usage"]["prompt_tokens"] == 512  # [CLS], 510 words, [SEP]
+    assert long["data"][0]["embedding"] == longer["data"][0]["embedding"]  # both cut to the same tokens
+    batch = embed(["short", "word " * 2000])  # one over-long chunk among others
+    assert batch["data"][1]["embedding"] == longer["data"][0]["embedding"]
+    assert batch["data"][0]["embedding"] == embed("short")["data"][0]["embedding"]
+    cut_ids = embed([[101] + [2773] * 600 + [102]])  # token ids: the first 512 kept
+    assert cut_ids["usage"]["prompt_tokens"] == 512
