@@ -41,6 +41,9 @@ const browser = await puppeteer.launch({
   args: [...chromium.args, "--window-size=1400,900"], defaultViewport: { width: 1400, height: 900 },
 });
 try {
+  // Desktop VS Code reads the clipboard freely (Continue's autocomplete does, for context); a
+  // browser asks first, so grant it as a person would.
+  await browser.defaultBrowserContext().overridePermissions(url, ["clipboard-read", "clipboard-write"]);
   const page = await browser.newPage();
   page.on("console", (m) => {
     const text = m.text();
