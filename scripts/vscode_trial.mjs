@@ -12,6 +12,12 @@
 //
 // Prints one JSON object: the ghost text seen (null if none within --wait seconds), the
 // extension's status-bar items, the file after Tab, and the times. Exit 1 when no ghost text.
+//
+// With --chat TEXT (and --panel NAME, the extension's activity-bar item): its chat panel is
+// opened instead, TEXT sent (after "@" + --mention, picked from the menu, when given), and the
+// panel's text printed once the answer has stopped changing.
+//
+//   node scripts/vscode_trial.mjs --panel Continue --mention codebase --chat "Which function ..."
 
 import fs from "fs";
 import path from "path";
@@ -52,6 +58,10 @@ try {
   await page.goto(`${url}/?folder=${encodeURIComponent(folder)}`, { waitUntil: "domcontentloaded" });
   await page.waitForSelector(".monaco-workbench", { timeout: 120000 });
   await sleep(8000);  // the extension host starts the extensions
+  if (args.chat) {
+    await chat(page, args.panel ?? "Continue", args.mention, args.chat, waitS);
+    process.exit(0);
+  }
   await page.keyboard.down("Control"); await page.keyboard.press("KeyP"); await page.keyboard.up("Control");
   await sleep(1500);
   await page.keyboard.type(file, { delay: 50 });
@@ -85,3 +95,36 @@ try {
 result.total_s = seconds();
 console.log(JSON.stringify(result, null, 2));
 process.exit(result.ghost === null ? 1 : 0);
+
+async function chat(page, panel, mention, text, waitS) {
+  const item = await page.$(`.activitybar [aria-label*="${panel}"]`);
+  if (!item) throw new Error(`no activity-bar item named ${panel}`);
+  await item.click();
+  let frame = null;  // the panel's webview, nested in iframes
+  for (let i = 0; i < 60 && !frame; i++) {
+    await sleep(1000);
+    for (const f of page.frames()) {
+      try { if (await f.$('.ProseMirror, div[contenteditable="true"]')) { frame = f; break; } } catch {}
+    }
+  }
+  if (!frame) throw new Error(`${panel}'s panel has no input box`);
+  await (await frame.$('.ProseMirror, div[contenteditable="true"]')).click();
+  if (mention) {
+    await page.keyboard.type("@" + mention, { delay: 50 });
+    await sleep(2000);
+    await page.keyboard.press("Enter");
+    await sleep(1000);
+  }
+  await page.keyboard.type(text, { delay: 20 });
+  await page.keyboard.press("Enter");
+  const sent = Date.now();
+  let last = "", still = 0;
+  while (Date.now() - sent < waitS * 1000 && (still < 4 || /Generating/.test(last))) {
+    await sleep(1000);
+    const now = await frame.evaluate(() => document.body.innerText);
+    still = now === last ? still + 1 : 0;
+    last = now;
+  }
+  console.log(JSON.stringify({ panel, mention: mention ?? null, sent: text, answered_in_s: (Date.now() - sent) / 1000 - still,
+                               panel_text: last }, null, 2));
+}
