@@ -73,6 +73,7 @@ try {
   await page.keyboard.down("Control"); await page.keyboard.press("End"); await page.keyboard.up("Control");
   await page.keyboard.type(typed, { delay: 120 });
   const typedAt = Date.now();
+  result.typed_at = typedAt / 1000;  // epoch seconds, to set beside a server's or proxy's log
   while (result.ghost === null && Date.now() - typedAt < waitS * 1000) {
     await sleep(250);
     result.ghost = await page.evaluate(() => {
